@@ -1,0 +1,5 @@
+import sys
+
+from megatron_mlp.cli import main
+
+sys.exit(main())
