@@ -1,0 +1,95 @@
+"""The one frozen configuration of MLP-Offload.
+
+Built once -- from Megatron's parsed arguments (``megatron_mlp.megatron.arguments``), from the
+CLI, or directly in tests -- validated here, then handed to every component. Nothing reads
+``args`` or the environment after this object exists.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from megatron_mlp.errors import ConfigError
+from megatron_mlp.tier.spec import TierSpec, parse_tier_paths
+
+ORDER_POLICIES = ("alternate", "ascending")
+BACKENDS = ("auto", "io_uring", "threads")
+CALIBRATION_MODES = ("auto", "off")  # or a path to a calibration JSON file
+
+
+@dataclass(frozen=True)
+class MLPOffloadConfig:
+    """Everything MLP-Offload needs to know. Field docs name the Megatron flag that sets each."""
+
+    tiers: tuple[TierSpec, ...]
+    """--mlp-offload-paths: storage paths of the virtual tier, in order of preference."""
+    subgroup_params: int = 100_000_000
+    """--mlp-offload-subgroup-size: elements per subgroup (the unit streamed through host memory)."""
+    host_cache_bytes: int = 0
+    """--mlp-offload-host-cache: bytes of host memory that keep subgroups' p/m/v between steps."""
+    prefetch_depth: int = 2
+    """--mlp-offload-prefetch-depth: subgroups fetched ahead of the one being updated."""
+    tokens_per_tier: int = 1
+    """--mlp-offload-tokens-per-tier: processes of a node doing I/O on one tier at a time."""
+    order: str = "alternate"
+    """--mlp-offload-order: 'alternate' (ascending/descending per iteration) or 'ascending'."""
+    backend: str = "auto"
+    """--mlp-offload-io-backend: 'auto', 'io_uring' or 'threads'."""
+    block_bytes: int = 1 << 20
+    """--mlp-offload-io-block-size: bytes per I/O task."""
+    queue_depth: int = 8
+    """--mlp-offload-io-queue-depth: I/O tasks in flight per engine."""
+    io_threads: int = 4
+    """--mlp-offload-io-threads: workers of the thread-pool backend."""
+    calibration: str = "auto"
+    """--mlp-offload-calibration: 'auto' (measure once per node, cached), 'off', or a JSON file."""
+    runtime_dir: str | None = None
+    """--mlp-offload-runtime-dir: where node-level tier token files live (default: a per-user dir)."""
+    checksum: bool = True
+    """--mlp-offload-no-checksum clears it: verify a checksum of every subgroup read from storage."""
+    # Ablation switches: each design principle can be turned off to measure what it buys.
+    multipath: bool = True
+    """--mlp-offload-no-multipath clears it: place everything on the first path."""
+    use_tokens: bool = True
+    """--mlp-offload-no-tier-tokens clears it: no node-level concurrency control."""
+    cache_order: bool = True
+    """--mlp-offload-no-cache-order clears it: always ascending, no host cache reuse."""
+    deferred_upcast: bool = True
+    """--mlp-offload-no-deferred-upcast clears it: gradients converted to fp32 before the update."""
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+    """Free-form annotations (job id, ...); never read by the components."""
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise ConfigError("--mlp-offload-paths: at least one storage path is required")
+        _positive("--mlp-offload-subgroup-size", self.subgroup_params)
+        _non_negative("--mlp-offload-host-cache", self.host_cache_bytes)
+        _non_negative("--mlp-offload-prefetch-depth", self.prefetch_depth)
+        _positive("--mlp-offload-tokens-per-tier", self.tokens_per_tier)
+        _positive("--mlp-offload-io-queue-depth", self.queue_depth)
+        _positive("--mlp-offload-io-threads", self.io_threads)
+        if self.block_bytes <= 0 or self.block_bytes % 4096:
+            raise ConfigError(
+                f"--mlp-offload-io-block-size: {self.block_bytes} must be a positive multiple of 4096 bytes")
+        if self.order not in ORDER_POLICIES:
+            raise ConfigError(f"--mlp-offload-order: {self.order!r} is not one of {', '.join(ORDER_POLICIES)}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"--mlp-offload-io-backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
+
+    @classmethod
+    def from_paths(cls, paths: str, **kwargs) -> "MLPOffloadConfig":
+        """Config from a ``--mlp-offload-paths`` string plus keyword overrides (tests, CLI)."""
+        return cls(tiers=parse_tier_paths(paths), **kwargs)
+
+    def replace(self, **changes) -> "MLPOffloadConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _positive(flag: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{flag}: {value!r} must be a positive integer")
+
+
+def _non_negative(flag: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{flag}: {value!r} must be a non-negative integer")

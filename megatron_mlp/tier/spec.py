@@ -1,0 +1,82 @@
+"""Tier path specifications: ``"/nvme0;/nvme1:bw=6GB/s,cap=200GB;/lustre/x:qos=1GB/s"``."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from megatron_mlp.errors import ConfigError
+
+PATHS_FLAG = "--mlp-offload-paths"
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One storage path of the virtual tier. Bandwidths in bytes/s; None = measure."""
+
+    path: str
+    read_bytes_per_s: float | None = None
+    write_bytes_per_s: float | None = None
+    capacity_bytes: int | None = None
+    qos_bytes_per_s: float | None = None
+
+
+def parse_size(text: str, flag: str, what: str = "size") -> int:
+    """Parse '100GB', '1.5GiB', '4096' into bytes; errors name the flag and the text."""
+    m = _SIZE_RE.match(text)
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ConfigError(f"{flag}: cannot parse {what} {text!r} (examples: 4096, 200GB, 1.5GiB)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def parse_rate(text: str, flag: str) -> float:
+    """Parse '6GB/s' or '6GB' into bytes per second."""
+    body = text[:-2] if text.lower().endswith("/s") else text
+    value = parse_size(body, flag, "bandwidth")
+    if value <= 0:
+        raise ConfigError(f"{flag}: bandwidth {text!r} must be positive")
+    return float(value)
+
+
+def parse_tier_paths(text: str, flag: str = PATHS_FLAG) -> tuple[TierSpec, ...]:
+    """Parse the ';'-separated tier list. Options follow a ':' as comma-separated key=value:
+    ``bw`` (read and write), ``read_bw``, ``write_bw``, ``cap``, ``qos``. ``$VARS`` expand."""
+    if text is None or not str(text).strip():
+        raise ConfigError(f"{flag}: empty; give at least one storage path, e.g. '/local/nvme;/lustre/scratch'")
+    specs = []
+    for item in str(text).split(";"):
+        item = item.strip()
+        if not item:
+            continue
+        path, _, opts = item.partition(":")
+        path = os.path.expanduser(os.path.expandvars(path.strip()))
+        if not path:
+            raise ConfigError(f"{flag}: entry {item!r} has no path")
+        kw: dict = {}
+        for opt in filter(None, (o.strip() for o in opts.split(","))):
+            key, eq, value = opt.partition("=")
+            key = key.strip().lower()
+            if not eq:
+                raise ConfigError(f"{flag}: option {opt!r} of {path} is not key=value")
+            if key == "bw":
+                kw["read_bytes_per_s"] = kw["write_bytes_per_s"] = parse_rate(value, flag)
+            elif key == "read_bw":
+                kw["read_bytes_per_s"] = parse_rate(value, flag)
+            elif key == "write_bw":
+                kw["write_bytes_per_s"] = parse_rate(value, flag)
+            elif key == "cap":
+                kw["capacity_bytes"] = parse_size(value, flag, "capacity")
+            elif key == "qos":
+                kw["qos_bytes_per_s"] = parse_rate(value, flag)
+            else:
+                raise ConfigError(
+                    f"{flag}: unknown option {key!r} for {path} (known: bw, read_bw, write_bw, cap, qos)")
+        specs.append(TierSpec(path=path, **kw))
+    if not specs:
+        raise ConfigError(f"{flag}: {text!r} names no path")
+    return tuple(specs)
