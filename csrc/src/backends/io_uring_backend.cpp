@@ -1,6 +1,6 @@
 // io_uring backend through raw syscalls against <linux/io_uring.h> (no liburing).
 //
-// One ring per engine. The engine's dispatcher is the only producer of submission entries;
+// One ring per engine. Entries are produced under the engine lock (one producer at a time);
 // a reaper thread blocks in io_uring_enter(GETEVENTS) and hands completions back. Shutdown
 // posts a NOP whose tag tells the reaper to leave.
 #include <linux/io_uring.h>
