@@ -56,6 +56,9 @@ unsigned next_pow2(unsigned v) {
 
 const char* op_name(Op op) { return op == Op::kRead ? "read" : "write"; }
 
+// A transfer the kernel keeps refusing with EAGAIN is failed rather than retried forever.
+constexpr int kMaxAttempts = 10000;
+
 }  // namespace
 
 Engine::Engine(const EngineOptions& opts) : opts_(opts), t0_(std::chrono::steady_clock::now()) {
@@ -318,7 +321,7 @@ void Engine::handle_completion_locked(const IOCompletion& c) {
     const int64_t res = c.result;
     const bool read = r.op_ == Op::kRead;
 
-    if (res == -EAGAIN || res == -EINTR) {
+    if ((res == -EAGAIN || res == -EINTR) && task.attempts < kMaxAttempts) {
         stats_.retries++;
         pending_[d].push_front(std::move(task));
         return;

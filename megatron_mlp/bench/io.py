@@ -3,8 +3,8 @@
 Each repeat measures, for every selected backend, one engine write pass and one read pass over
 the same file, and the same pattern with fio (same block size and queue depth, O_DIRECT) when
 fio is installed. Engine and fio runs alternate within a repeat and swap order between repeats,
-so device drift over minutes hits both alike; the figures are medians over repeats and the
-ratios are engine/fio of the medians. O_DIRECT keeps the page cache out of the measurement.
+so device drift over minutes hits both alike; the figures are medians over repeats and each
+ratio is the median over repeats of engine/fio measured in the same repeat. O_DIRECT keeps the page cache out of the measurement.
 """
 from __future__ import annotations
 
@@ -203,8 +203,9 @@ def run(a) -> dict:
         entry["write_gbps"] = entry["write"]["median_gbps"]
         entry["read_gbps"] = entry["read"]["median_gbps"]
         if fio_res["read"]:
-            entry["ratio_read"] = entry["read_gbps"] / (statistics.median(fio_res["read"]) / GB)
-            entry["ratio_write"] = entry["write_gbps"] / (statistics.median(fio_res["write"]) / GB)
+            # Median of the ratios of runs of the same repeat: neighbours in time see the same drift.
+            for key in ("read", "write"):
+                entry[f"ratio_{key}"] = statistics.median(e / f for e, f in zip(r[key], fio_res[key]))
         per_backend[name] = entry
     out["backend"] = primary
     out["read_gbps"] = per_backend[primary]["read_gbps"]
@@ -222,8 +223,9 @@ def run(a) -> dict:
     if a.vs_deepspeed:
         if ds_res["read"]:
             ds = {"note": ds_note, "write": _summary(ds_res["write"]), "read": _summary(ds_res["read"])}
-            ds["ratio_read"] = out["read_gbps"] / ds["read"]["median_gbps"]
-            ds["ratio_write"] = out["write_gbps"] / ds["write"]["median_gbps"]
+            for key in ("read", "write"):
+                ds[f"ratio_{key}"] = statistics.median(
+                    e / d for e, d in zip(results[primary][key], ds_res[key]))
             out["deepspeed"] = ds
         else:
             out["deepspeed"] = f"unavailable: {ds_note}"
