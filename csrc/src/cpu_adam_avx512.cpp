@@ -81,27 +81,27 @@ MLP_TARGET_AVX512 inline __m512 sqrt16(SqrtMode mode, __m512 x) {
 
 struct Consts16 {
     __m512 inv, clip, decay, w, wm1, b2, omb2, bc2, eps, nss;
-    bool small_weight;
 };
 
+template <DType G, int O, bool SmallWeight, bool Rsqrt>
 MLP_TARGET_AVX512 inline void body16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v,
-                                     const void* g, DType gdt, void* out, DType odt) {
-    __m512 gi = load16(g, gdt);
+                                     const void* g, void* out) {
+    __m512 gi = load16(g, G);
     if (s.apply_unscale) gi = _mm512_mul_ps(gi, c.inv);
     if (s.apply_clip) gi = _mm512_mul_ps(gi, c.clip);
     __m512 pi = _mm512_loadu_ps(p);
     if (s.apply_decay) pi = _mm512_mul_ps(pi, c.decay);
     __m512 mi = _mm512_loadu_ps(m);
     const __m512 diff = _mm512_sub_ps(gi, mi);
-    mi = c.small_weight ? _mm512_fmadd_ps(c.w, diff, mi) : _mm512_fmadd_ps(c.wm1, diff, gi);
+    mi = SmallWeight ? _mm512_fmadd_ps(c.w, diff, mi) : _mm512_fmadd_ps(c.wm1, diff, gi);
     __m512 vi = _mm512_mul_ps(_mm512_loadu_ps(v), c.b2);
     vi = _mm512_fmadd_ps(_mm512_mul_ps(c.omb2, gi), gi, vi);
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(sqrt16(s.sqrt_mode, vi), c.bc2), c.eps);
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(sqrt16(Rsqrt ? SqrtMode::kRsqrtNewton : SqrtMode::kIeee, vi), c.bc2), c.eps);
     pi = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(c.nss, mi), denom));
     _mm512_storeu_ps(p, pi);
     _mm512_storeu_ps(m, mi);
     _mm512_storeu_ps(v, vi);
-    if (out) store16(out, odt, pi);
+    if constexpr (O >= 0) store16(out, static_cast<DType>(O), pi);
 }
 
 struct StatsAcc16 {
@@ -119,6 +119,59 @@ MLP_TARGET_AVX512 inline void stats_one16(StatsAcc16& a, __m512 x) {
     a.acc1 = _mm512_fmadd_pd(hi, hi, a.acc1);
 }
 
+template <DType G, int O, bool SmallWeight, bool Rsqrt>
+MLP_TARGET_AVX512 void loop16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v, const void* g, void* out,
+                    std::size_t n) {
+    constexpr std::size_t gb = G == DType::kFloat32 ? 4 : 2;
+    constexpr std::size_t ob = O == static_cast<int>(DType::kFloat32) ? 4 : 2;
+    std::size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        body16<G, O, SmallWeight, Rsqrt>(s, c, p + i, m + i, v + i, static_cast<const char*>(g) + i * gb,
+                                        O >= 0 ? static_cast<char*>(out) + i * ob : nullptr);
+    }
+    if (i < n) {
+        const std::size_t r = n - i;
+        alignas(64) float tp[16] = {}, tm[16] = {}, tv[16] = {};
+        alignas(64) unsigned char tg[64] = {}, to[64] = {};
+        std::memcpy(tp, p + i, r * 4);
+        std::memcpy(tm, m + i, r * 4);
+        std::memcpy(tv, v + i, r * 4);
+        std::memcpy(tg, static_cast<const char*>(g) + i * gb, r * gb);
+        body16<G, O, SmallWeight, Rsqrt>(s, c, tp, tm, tv, tg, to);
+        std::memcpy(p + i, tp, r * 4);
+        std::memcpy(m + i, tm, r * 4);
+        std::memcpy(v + i, tv, r * 4);
+        if constexpr (O >= 0) std::memcpy(static_cast<char*>(out) + i * ob, to, r * ob);
+    }
+}
+
+template <DType G, int O>
+MLP_TARGET_AVX512 void dispatch_flags16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v, const void* g,
+                              void* out, std::size_t n, bool small_weight) {
+    const bool rsqrt = s.sqrt_mode == SqrtMode::kRsqrtNewton;
+    if (small_weight) {
+        if (rsqrt) loop16<G, O, true, true>(s, c, p, m, v, g, out, n);
+        else loop16<G, O, true, false>(s, c, p, m, v, g, out, n);
+    } else {
+        if (rsqrt) loop16<G, O, false, true>(s, c, p, m, v, g, out, n);
+        else loop16<G, O, false, false>(s, c, p, m, v, g, out, n);
+    }
+}
+
+template <DType G>
+MLP_TARGET_AVX512 void dispatch_out16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v, const void* g,
+                            void* out, DType odt, std::size_t n, bool small_weight) {
+    if (!out) return dispatch_flags16<G, -1>(s, c, p, m, v, g, out, n, small_weight);
+    switch (odt) {
+        case DType::kBFloat16:
+            return dispatch_flags16<G, static_cast<int>(DType::kBFloat16)>(s, c, p, m, v, g, out, n, small_weight);
+        case DType::kFloat16:
+            return dispatch_flags16<G, static_cast<int>(DType::kFloat16)>(s, c, p, m, v, g, out, n, small_weight);
+        default:
+            return dispatch_flags16<G, static_cast<int>(DType::kFloat32)>(s, c, p, m, v, g, out, n, small_weight);
+    }
+}
+
 }  // namespace
 
 MLP_TARGET_AVX512 void adam_avx512(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt,
@@ -134,26 +187,12 @@ MLP_TARGET_AVX512 void adam_avx512(const AdamScalars& s, float* p, float* m, flo
     c.bc2 = _mm512_set1_ps(s.bc2_sqrt);
     c.eps = _mm512_set1_ps(s.eps);
     c.nss = _mm512_set1_ps(s.neg_step_size);
-    c.small_weight = (s.lerp_weight < 0.5f && s.lerp_weight > -0.5f);
-    const std::size_t gb = dtype_bytes(gdt), ob = dtype_bytes(odt);
-    std::size_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        body16(s, c, p + i, m + i, v + i, static_cast<const char*>(g) + i * gb, gdt,
-               out ? static_cast<char*>(out) + i * ob : nullptr, odt);
-    }
-    if (i < n) {
-        const std::size_t r = n - i;
-        alignas(64) float tp[16] = {}, tm[16] = {}, tv[16] = {};
-        alignas(64) unsigned char tg[64] = {}, to[64] = {};
-        std::memcpy(tp, p + i, r * 4);
-        std::memcpy(tm, m + i, r * 4);
-        std::memcpy(tv, v + i, r * 4);
-        std::memcpy(tg, static_cast<const char*>(g) + i * gb, r * gb);
-        body16(s, c, tp, tm, tv, tg, gdt, out ? to : nullptr, odt);
-        std::memcpy(p + i, tp, r * 4);
-        std::memcpy(m + i, tm, r * 4);
-        std::memcpy(v + i, tv, r * 4);
-        if (out) std::memcpy(static_cast<char*>(out) + i * ob, to, r * ob);
+    // lerp's branch as ATen's is_lerp_weight_small: |w| < 0.5 -> m + w*(g-m), else g + (w-1)*(g-m).
+    const bool small_weight = s.lerp_weight < 0.5f && s.lerp_weight > -0.5f;
+    switch (gdt) {
+        case DType::kBFloat16: return dispatch_out16<DType::kBFloat16>(s, c, p, m, v, g, out, odt, n, small_weight);
+        case DType::kFloat16: return dispatch_out16<DType::kFloat16>(s, c, p, m, v, g, out, odt, n, small_weight);
+        default: return dispatch_out16<DType::kFloat32>(s, c, p, m, v, g, out, odt, n, small_weight);
     }
 }
 
