@@ -294,6 +294,15 @@ def _span(results: list[dict], phase: str) -> float:
     return max(r[phase][1] for r in results) - min(r[phase][0] for r in results)
 
 
+def classify_shared_rw(size_bytes: int, read_bytes_per_s: float, write_bytes_per_s: float,
+                       mixed_seconds: float) -> bool:
+    """Whether reading and writing ``size_bytes`` at once (``mixed_seconds``) looks like one shared
+    limit (time r/R + w/W) rather than separate ones (time max(r/R, w/W)): the closer model wins."""
+    t_shared = size_bytes / read_bytes_per_s + size_bytes / write_bytes_per_s
+    t_separate = max(size_bytes / read_bytes_per_s, size_bytes / write_bytes_per_s)
+    return abs(math.log(mixed_seconds / t_shared)) <= abs(math.log(mixed_seconds / t_separate))
+
+
 def measure_path(path: str, size_bytes: int = DEFAULT_SIZE_BYTES, procs: int = 4, block_bytes: int = 1 << 20,
                  queue_depth: int = 8, chunk_bytes: int = 64 << 20) -> PathCalibration:
     """Measure one path (see the module docstring). Needs the C++ engine.
@@ -321,9 +330,10 @@ def measure_path(path: str, size_bytes: int = DEFAULT_SIZE_BYTES, procs: int = 4
                         (path, size_bytes, ("read",), block_bytes, queue_depth, chunk_bytes, "mixr")])
     t_mixed = max(r[p][1] for r in mixed for p in ("write", "read") if p in r) - \
         min(r[p][0] for r in mixed for p in ("write", "read") if p in r)
-    t_shared = size_bytes / r1 + size_bytes / w1
-    t_separate = max(size_bytes / r1, size_bytes / w1)
-    shared = abs(math.log(t_mixed / t_shared)) <= abs(math.log(t_mixed / t_separate))
+    # Compare with the two models using the bandwidths measured under concurrency (several streams,
+    # as in the mixed run); a single stream may not saturate the device.
+    r_ref, w_ref = (rk, wk) if procs > 1 else (r1, w1)
+    shared = classify_shared_rw(size_bytes, r_ref, w_ref, t_mixed)
     return PathCalibration(
         host=_host(), realpath=info.realpath, device_key=info.key, st_dev=info.st_dev, fs_type=info.fs_type,
         o_direct=single["direct"], backend=single["backend"], size_bytes=size_bytes,

@@ -150,3 +150,11 @@ def test_engine_failure_falls_back_to_default_with_a_note_when_auto(tmp_path):
     cals, notes = calibrations_for([TierSpec(str(tmp_path))], "auto", cache_path=str(tmp_path / "c.json"),
                                    measure=broken)
     assert cals == [None] and "default assumption" in notes[0]
+
+
+def test_shared_limit_detected_when_mixed_time_is_the_sum_of_read_and_write_times():
+    # 1 GB read at 2 GB/s + 1 GB written at 2 GB/s: shared -> 1.0 s, separate -> 0.5 s.
+    assert calib.classify_shared_rw(10**9, 2e9, 2e9, 0.95) is True
+    assert calib.classify_shared_rw(10**9, 2e9, 2e9, 0.55) is False
+    assert calib.classify_shared_rw(10**9, 2e9, 2e9, 0.72) is True   # geometric midpoint is 0.707 s
+    assert calib.classify_shared_rw(10**9, 2e9, 2e9, 0.69) is False
