@@ -17,11 +17,9 @@ import math
 import sys
 
 from megatron_mlp.errors import ConfigError, TierCapacityError
-from megatron_mlp.tier.calibration import DEFAULT_BYTES_PER_S, calibrations_for, resolve_bandwidth
-from megatron_mlp.tier.device import device_info
-from megatron_mlp.tier.placement import PlacementTier, human_bytes, plan_placement
+from megatron_mlp.tier.placement import human_bytes, plan_placement
+from megatron_mlp.tier.resolve import resolve_tiers
 from megatron_mlp.tier.spec import parse_size, parse_tier_paths
-from megatron_mlp.tier.validation import validate_tier_paths
 
 STATE_BYTES_PER_PARAM = 12  # fp32 master param + Adam exp_avg + exp_avg_sq
 _COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
@@ -83,32 +81,10 @@ def make_plan(args) -> dict:
     params = subgroup_layout(shard, subgroup_params)
     sizes = [n * STATE_BYTES_PER_PARAM for n in params]
 
-    warnings: list[str] = []
-    notes: list[str] = []
-    if args.no_probe:
-        capacities = [s.capacity_bytes for s in specs]
-        devices = [None] * len(specs)
-        mode = args.calibration if args.calibration not in ("auto",) else "off"
-    else:
-        checked = validate_tier_paths(specs, flag="--paths")
-        warnings += checked.warnings
-        capacities = [c.usable_bytes for c in checked.checks]
-        devices = [f"{c.device.key} ({c.device.fs_type})" for c in checked.checks]
-        mode = args.calibration
-    cals, cal_notes = calibrations_for(specs, mode, cache_path=args.calibration_cache)
-    notes += cal_notes
-    tiers = []
-    for spec, cal, cap, dev in zip(specs, cals, capacities, devices):
-        bw = resolve_bandwidth(spec, cal)
-        source = bw.source
-        if "default" in source:
-            source += f" (assumed {DEFAULT_BYTES_PER_S / 1e9:g} GB/s)"
-        tiers.append(PlacementTier(path=spec.path, read_bytes_per_s=bw.read_bytes_per_s,
-                                   write_bytes_per_s=bw.write_bytes_per_s, capacity_bytes=cap,
-                                   shared_rw_limit=bw.shared_rw_limit, device=dev, bandwidth_source=source))
-        if bw.shared_rw_source == "default":
-            notes.append(f"{spec.path}: assumed reads and writes share one bandwidth limit (set rw=separate "
-                         "if they do not, or calibrate)")
+    resolved = resolve_tiers(specs, calibration=args.calibration, probe=not args.no_probe,
+                             cache_path=args.calibration_cache, flag="--paths")
+    warnings, notes, mode = list(resolved.warnings), list(resolved.notes), resolved.calibration
+    tiers = list(resolved.tiers)
     placement = plan_placement(sizes, None, tiers, ranks_per_node=args.ranks_per_node, host_cache_bytes=host_cache)
     return {
         "config": {"paths": [s.path for s in specs], "num_params": num_params, "data_parallel_size": dp,

@@ -98,3 +98,24 @@ def test_rw_option_parsed_when_declared():
 def test_rw_option_rejected_with_flag_when_value_unknown():
     with pytest.raises(ConfigError, match="--mlp-offload-paths: rw='both'"):
         parse_tier_paths("/a:rw=both")
+
+
+def test_warning_and_buffered_when_file_system_refuses_o_direct(tmp_path, monkeypatch):
+    # Older kernels refuse O_DIRECT on tmpfs with EINVAL at open(); emulate that file system.
+    import errno
+
+    from megatron_mlp.tier import validation
+
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(validation.os, "open", refusing_open)
+    v = validate_tier_paths((TierSpec(str(tmp_path)),))
+    c = v.checks[0]
+    assert c.o_direct is False and "EINVAL" in c.o_direct_reason
+    assert any(str(tmp_path) in w and "buffered" in w for w in v.warnings)
+    assert os.listdir(tmp_path) == []
