@@ -7,7 +7,7 @@ Example::
 
 Each rank holds ``num_params / data_parallel_size`` parameters of optimizer state (fp32 param, Adam
 m and v: 12 bytes each), split into subgroups of ``subgroup_params``; every step reads and writes
-each subgroup once, except the ones the host cache keeps.
+each subgroup once, except what the host cache saves (see ``--cache-model``).
 """
 from __future__ import annotations
 
@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size", type=int, default=None,
                    help="ranks the optimizer state is sharded over (default: --ranks-per-node)")
     p.add_argument("--host-cache-bytes", default="0", help="host-cache budget per rank, e.g. 8GB (default 0)")
+    p.add_argument("--cache-model", choices=("alternate", "resident"), default="alternate",
+                   help="'alternate' (default, --mlp-offload-order alternate: the cached subgroups at both ends "
+                        "skip a read or a write each iteration) or 'resident' (cached subgroups never move)")
     p.add_argument("--calibration", default="auto",
                    help="'auto' (cached measurement, measured once if missing), 'off' (declared or default "
                         "bandwidths only) or a calibration JSON file")
@@ -85,12 +88,13 @@ def make_plan(args) -> dict:
                              cache_path=args.calibration_cache, flag="--paths")
     warnings, notes, mode = list(resolved.warnings), list(resolved.notes), resolved.calibration
     tiers = list(resolved.tiers)
-    placement = plan_placement(sizes, None, tiers, ranks_per_node=args.ranks_per_node, host_cache_bytes=host_cache)
+    placement = plan_placement(sizes, None, tiers, ranks_per_node=args.ranks_per_node, host_cache_bytes=host_cache,
+                               cache_model=args.cache_model)
     return {
         "config": {"paths": [s.path for s in specs], "num_params": num_params, "data_parallel_size": dp,
                    "params_per_rank": shard, "subgroup_params": subgroup_params, "num_subgroups": len(sizes),
                    "state_bytes_per_rank": sum(sizes), "ranks_per_node": args.ranks_per_node,
-                   "host_cache_bytes": host_cache, "calibration": mode},
+                   "host_cache_bytes": host_cache, "cache_model": args.cache_model, "calibration": mode},
         "warnings": warnings,
         "notes": notes + list(placement.notes),
         "placement": placement,

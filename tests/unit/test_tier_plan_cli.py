@@ -37,8 +37,20 @@ def test_table_lists_every_tier_with_predicted_time_and_lower_bound(capsys, tmp_
                      "--calibration", "off")
     assert rc == 0
     for text in (f"{tmp_path}/a", f"{tmp_path}/b", "default (assumed 1 GB/s)", "declared", "lower bound",
-                 "predicted update I/O per step", "host cache: 2 subgroups", "ranks per node: 4"):
+                 "predicted update I/O per step", "2.40 GB of a 2.40 GB budget", "alternating order: 3 subgroups", "ranks per node: 4"):
         assert text in out, text
+
+
+def test_resident_cache_model_keeps_cached_subgroups_still(capsys, tmp_path):
+    argv = ["--paths", f"{tmp_path}:bw=1GB/s,rw=shared", "--num-params", "1B", "--subgroup-params", "100M",
+            "--ranks-per-node", "1", "--host-cache-bytes", "2.4GB", "--calibration", "off", "--json"]
+    rc, out, _ = run(capsys, *argv, "--cache-model", "resident")
+    resident = json.loads(out)["placement"]
+    rc, out, _ = run(capsys, *argv)
+    alternate = json.loads(out)["placement"]
+    assert resident["cached_subgroups"] == [8, 9] and resident["tiers"][0]["read_bytes"] == 8 * 1_200_000_000
+    assert alternate["cached_subgroups"] == [0, 1, 8, 9] and alternate["tiers"][0]["read_bytes"] == 8 * 1_200_000_000
+    assert resident["predicted_seconds"] == pytest.approx(alternate["predicted_seconds"])
 
 
 def test_shard_per_rank_follows_data_parallel_size(capsys, tmp_path):
