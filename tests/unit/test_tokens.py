@@ -116,6 +116,40 @@ def test_sigkill_of_holder_frees_token_within_a_second(rundir):
         p.join()
 
 
+def _hold_then_fork_a_worker(rundir, key, ready, child_pid):
+    tok = TierToken(key=key, runtime_dir=rundir)
+    assert tok.acquire(timeout=10)
+    pid = os.fork()  # e.g. a data-loader worker forked while the token is held
+    if pid == 0:
+        code = 0 if not tok.held else 3  # the child does not hold the parent's token
+        time.sleep(30)
+        os._exit(code)
+    child_pid.value = pid
+    ready.set()
+    time.sleep(600)
+
+
+def test_sigkill_frees_token_when_holder_forked_a_child_that_lives_on(rundir):
+    ready, child_pid = CTX.Event(), CTX.Value("i", 0)
+    p = CTX.Process(target=_hold_then_fork_a_worker, args=(rundir, "nvme", ready, child_pid))
+    p.start()
+    try:
+        assert ready.wait(10)
+        tok = TierToken(key="nvme", runtime_dir=rundir)
+        assert not tok.try_acquire()
+        os.kill(p.pid, signal.SIGKILL)
+        assert tok.acquire(timeout=1.0), "the forked child kept the dead parent's token"
+        tok.release()
+    finally:
+        p.kill()
+        p.join()
+        if child_pid.value:
+            try:
+                os.kill(child_pid.value, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_try_acquire_returns_false_without_waiting_when_token_is_held(rundir):
     ready = CTX.Event()
     p = CTX.Process(target=_hold_forever, args=(rundir, "nvme", ready))
