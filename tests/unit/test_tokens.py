@@ -409,3 +409,22 @@ def test_runtime_dir_refused_when_owned_by_another_user(tmp_path):
 def test_zero_slots_rejected_with_flag():
     with pytest.raises(ConfigError, match="--mlp-offload-tokens-per-tier"):
         TierToken(key="t", slots=0, runtime_dir="/tmp/unused-never-created")
+
+
+def test_paths_on_one_device_share_one_token_when_used_by_different_jobs(rundir, tmp_path):
+    job_a = TierToken(str(tmp_path / "job-a" / "optimizer"), runtime_dir=rundir)
+    job_b = TierToken(str(tmp_path / "job-b"), runtime_dir=rundir)
+    assert job_a.try_acquire()
+    assert not job_b.try_acquire()
+    job_a.release()
+    assert job_b.try_acquire()
+    job_b.release()
+
+
+def test_paths_on_different_devices_have_independent_tokens(rundir, disk_dir, shm_dir):
+    disk = TierToken(disk_dir, runtime_dir=rundir)
+    shm = TierToken(shm_dir, runtime_dir=rundir)
+    assert disk.key != shm.key
+    assert disk.try_acquire() and shm.try_acquire()
+    disk.release()
+    shm.release()
