@@ -29,7 +29,7 @@ from megatron_mlp.tier.spec import parse_size
 
 
 def _proc(directory: str, nbytes: int, chunk: int, use_tokens: bool, runtime_dir: str | None,
-          block_bytes: int, queue_depth: int, barrier, queue) -> None:
+          block_bytes: int, queue_depth: int, slots: int, barrier, queue) -> None:
     try:
         from megatron_mlp.engine import Engine
         from megatron_mlp.tier.stats import TierStats
@@ -37,7 +37,7 @@ def _proc(directory: str, nbytes: int, chunk: int, use_tokens: bool, runtime_dir
 
         path = os.path.join(directory, f".mlp-contention-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         stats = TierStats()
-        token = TierToken(directory, slots=1, runtime_dir=runtime_dir) if use_tokens else None
+        token = TierToken(directory, slots=slots, runtime_dir=runtime_dir) if use_tokens else None
         eng = Engine(block_bytes=block_bytes, queue_depth=queue_depth)
         try:
             buf = eng.alloc(chunk)
@@ -86,13 +86,23 @@ def _proc(directory: str, nbytes: int, chunk: int, use_tokens: bool, runtime_dir
         queue.put(("error", f"{type(e).__name__}: {e}"))
 
 
+def _mp_context(preload: list[str]):
+    """Worker processes that never inherit an engine's threads: from a fork server (started once,
+    with the imports preloaded, so each worker starts in milliseconds), else spawned."""
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(preload)
+        return ctx
+    return mp.get_context("spawn")
+
+
 def run_once(directory: str, procs: int, nbytes: int, chunk: int, use_tokens: bool, runtime_dir: str | None,
-             block_bytes: int = 1 << 20, queue_depth: int = 8) -> dict:
-    """One round: ``procs`` spawned processes (no engine thread is ever forked), started together."""
-    ctx = mp.get_context("spawn")
+             block_bytes: int = 1 << 20, queue_depth: int = 8, slots: int = 1) -> dict:
+    """One round: ``procs`` worker processes (no engine thread is ever forked), started together."""
+    ctx = _mp_context(["megatron_mlp.engine", "megatron_mlp.tier.tokens", "megatron_mlp.bench.contention"])
     barrier, queue = ctx.Barrier(procs), ctx.Queue()
     ps = [ctx.Process(target=_proc, args=(directory, nbytes, chunk, use_tokens, runtime_dir, block_bytes,
-                                          queue_depth, barrier, queue)) for _ in range(procs)]
+                                          queue_depth, slots, barrier, queue)) for _ in range(procs)]
     for p in ps:
         p.start()
     results, errors = [], []
@@ -129,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--path", default="/var/tmp", help="a directory on the tier (default /var/tmp)")
     p.add_argument("--bytes-per-proc", default="1GiB", help="bytes each process writes then reads (default 1GiB)")
     p.add_argument("--chunk-bytes", default="64MiB", help="bytes moved per token hold, a subgroup (default 64MiB)")
+    p.add_argument("--queue-depth", type=int, default=8,
+                   help="I/O tasks in flight per process, as --mlp-offload-io-queue-depth (default 8)")
+    p.add_argument("--slots", type=int, default=1,
+                   help="token holders allowed at once, as --mlp-offload-tokens-per-tier (default 1)")
     p.add_argument("--repeats", type=int, default=1, help="rounds per mode, alternating modes (default 1)")
     p.add_argument("--runtime-dir", default=None, help="token directory (default: the per-user runtime dir)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -143,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         for flag, v in (("--bytes-per-proc", nbytes), ("--chunk-bytes", chunk)):
             if v < 4096 or v % 4096:
                 raise ConfigError(f"{flag}: {v} must be a positive multiple of 4096 bytes")
-        if args.procs < 1 or args.repeats < 1:
-            raise ConfigError(f"--procs and --repeats must be >= 1 (got {args.procs}, {args.repeats})")
+        if args.procs < 1 or args.repeats < 1 or args.slots < 1 or args.queue_depth < 1:
+            raise ConfigError(f"--procs, --repeats, --slots and --queue-depth must be >= 1 "
+                              f"(got {args.procs}, {args.repeats}, {args.slots}, {args.queue_depth})")
         if not os.path.isdir(args.path):
             raise ConfigError(f"--path: {args.path} is not a directory")
     except ConfigError as e:
@@ -156,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for _ in range(args.repeats):
             for use_tokens in (False, True):  # alternate, so drift hits both modes alike
-                runs.append(run_once(directory, args.procs, nbytes, chunk, use_tokens, args.runtime_dir))
+                runs.append(run_once(directory, args.procs, nbytes, chunk, use_tokens, args.runtime_dir,
+                                     queue_depth=args.queue_depth, slots=args.slots))
     finally:
         os.rmdir(directory)
 
@@ -168,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
                     "backend": runs[0]["backend"], "o_direct": all(r["o_direct"] for r in runs)},
         "config": {"path": args.path, "procs": args.procs, "bytes_per_proc": nbytes, "chunk_bytes": chunk,
-                   "repeats": args.repeats},
+                   "slots": args.slots, "queue_depth": args.queue_depth, "repeats": args.repeats},
         "without_tokens_s": med(False, "total_s"),
         "with_tokens_s": med(True, "total_s"),
         "without_tokens_mean_finish_s": med(False, "mean_finish_s"),
@@ -183,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     m = summary["machine"]
     print(f"contention: {args.procs} processes x {human_bytes(nbytes)} written then read on {args.path} "
           f"({'O_DIRECT' if m['o_direct'] else 'buffered'}, {m['backend']}), {human_bytes(chunk)} per token hold, "
-          f"{args.repeats} round(s) per mode, {m['cpus']} CPUs")
+          f"{args.slots} token holder(s) at once, queue depth {args.queue_depth}, {args.repeats} round(s) per mode, "
+          f"{m['cpus']} CPUs")
     print(f"{'mode':<16}{'total s':>10}{'mean finish s':>16}{'aggregate GB/s':>16}{'token wait s':>14}")
     for tokens in (False, True):
         rs = [r for r in runs if r["tokens"] is tokens]

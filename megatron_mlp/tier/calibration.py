@@ -180,8 +180,8 @@ class _CacheLock:
 
 
 # ---------------------------------------------------------------------------------------------
-# Measurement (each process uses its own Engine; processes are spawned so that no engine thread
-# is ever forked)
+# Measurement (each process uses its own Engine; workers come from a fork server or are spawned,
+# so that no engine thread is ever forked)
 # ---------------------------------------------------------------------------------------------
 def _io_pass(directory: str, size_bytes: int, phases: tuple[str, ...], barrier, block_bytes: int,
              queue_depth: int, chunk_bytes: int, name: str) -> dict:
@@ -260,9 +260,19 @@ def _worker(queue, args) -> None:
         queue.put(("error", f"{type(e).__name__}: {e}"))
 
 
+def _mp_context(preload: list[str]):
+    """Worker processes that never inherit an engine's threads: from a fork server (started once,
+    with the imports preloaded, so each worker starts in milliseconds), else spawned."""
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(preload)
+        return ctx
+    return mp.get_context("spawn")
+
+
 def _run_procs(jobs: list[tuple], timeout: float = 600.0) -> list[dict]:
-    """Run one :func:`_io_pass` per job in its own spawned process; all start together."""
-    ctx = mp.get_context("spawn")
+    """Run one :func:`_io_pass` per job in its own worker process; all start together."""
+    ctx = _mp_context(["megatron_mlp.engine", "megatron_mlp.tier.calibration"])
     barrier = ctx.Barrier(len(jobs))
     queue = ctx.Queue()
     procs = []
