@@ -1,0 +1,55 @@
+// An open tier file: an O_DIRECT descriptor for the aligned body of each transfer plus a
+// buffered descriptor for unaligned tails and offsets (and for file systems that refuse O_DIRECT).
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "mlp/status.h"
+
+namespace mlp {
+
+struct OpenOptions {
+    bool create = true;
+    bool truncate = false;
+    bool read_only = false;
+    bool direct = true;
+    bool refuse_direct = false;  // tests: behave as if open(O_DIRECT) failed with EINVAL
+};
+
+// The descriptors; shared by the File and every request in flight so a close() never pulls
+// a descriptor from under a transfer.
+struct FileDescriptors {
+    int direct_fd = -1;    // -1 when O_DIRECT is not in use
+    int buffered_fd = -1;
+    ~FileDescriptors();
+};
+
+class File {
+public:
+    static std::shared_ptr<File> open(const std::string& path, const OpenOptions& opts, Status* st);
+
+    const std::string& path() const { return path_; }
+    bool direct() const { return direct_; }
+    bool direct_refused() const { return direct_refused_; }  // asked for O_DIRECT, FS said EINVAL
+    bool read_only() const { return read_only_; }
+
+    // nullptr once closed.
+    std::shared_ptr<FileDescriptors> descriptors() const;
+    void close();
+    bool closed() const;
+    Status size(int64_t* out) const;
+    Status sync() const;
+
+private:
+    std::string path_;
+    bool direct_ = false;
+    bool direct_refused_ = false;
+    bool read_only_ = false;
+    mutable std::mutex mu_;
+    std::shared_ptr<FileDescriptors> fds_;
+};
+
+}  // namespace mlp

@@ -1,0 +1,59 @@
+"""Per-engine bandwidth caps (token bucket): accuracy and independence of read and write caps.
+
+Measured on tmpfs, whose own bandwidth (GB/s) is far above the caps, so the cap is the limit.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from megatron_mlp.engine import Engine
+
+from engine_helpers import BACKENDS
+
+MiB = 1 << 20
+CAP = 100 * MiB  # bytes/s
+TOTAL = 40 * MiB  # ~0.4 s at the cap
+
+
+def _rate(eng, f, write: bool, buf) -> float:
+    t0 = time.perf_counter()
+    reqs = [(eng.write if write else eng.read)(f, buf, i * buf.nbytes) for i in range(TOTAL // buf.nbytes)]
+    for r in reqs:
+        r.wait()
+    return TOTAL / (time.perf_counter() - t0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_write_and_read_caps_hold_within_15_percent(backend, shm_dir):
+    with Engine(backend=backend, block_bytes=256 << 10, read_limit_bytes_per_s=2 * CAP,
+                write_limit_bytes_per_s=CAP) as eng:
+        f = eng.open(f"{shm_dir}/cap.bin")
+        buf = eng.alloc(4 * MiB)
+        write_rate = _rate(eng, f, True, buf)
+        read_rate = _rate(eng, f, False, buf)
+        assert eng.stats()["throttle_s"] > 0
+    assert 0.85 * CAP <= write_rate <= 1.15 * CAP, write_rate / CAP
+    assert 0.85 * 2 * CAP <= read_rate <= 1.15 * 2 * CAP, read_rate / (2 * CAP)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_write_cap_does_not_slow_reads_when_only_writes_are_capped(backend, shm_dir):
+    with Engine(backend=backend, write_limit_bytes_per_s=20 * MiB) as eng:
+        f = eng.open(f"{shm_dir}/cap2.bin")
+        data = np.ones(8 * MiB, np.uint8)
+        with Engine(backend=backend) as fast:  # fill the file without the cap
+            fast.write(fast.open(f"{shm_dir}/cap2.bin"), data, 0).wait()
+        slow_write = eng.write(f, np.ones(8 * MiB, np.uint8), 8 * MiB)  # ~0.4 s at the cap
+        out = np.zeros(8 * MiB, np.uint8)
+        eng.read(f, out, 0).wait()
+        assert not slow_write.done()  # the uncapped read overtook the capped write
+        slow_write.wait()
+        assert out.all()
+
+
+def test_caps_are_off_by_default():
+    with Engine(backend="threads") as eng:
+        assert eng.read_limit_bytes_per_s == 0 and eng.write_limit_bytes_per_s == 0
