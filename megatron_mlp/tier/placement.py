@@ -364,8 +364,13 @@ def plan_placement(subgroup_bytes: Sequence[int],
 
     lower = _lower_bound(model, moves, sizes, cached)
     notes = []
-    if any(t.bandwidth_source == "default" for t in tiers):
+    if any(t.bandwidth_source.startswith("default") for t in tiers):
         notes.append("some bandwidths are a default assumption (neither declared nor calibrated)")
+    smallest = min((s for i, s in enumerate(sizes) if i not in cached), default=0)
+    for j, t in enumerate(tiers):
+        if smallest and model.cap[j] < smallest:
+            notes.append(f"{t.path}: its capacity per rank ({int(model.cap[j])} bytes) holds no whole subgroup "
+                         f"({smallest} bytes); use smaller subgroups to make use of it")
     return Placement(
         tiers=tiers, tier_of=tuple(tier_of), cached=tuple(i in cached for i in range(n)),
         subgroup_bytes=tuple(sizes), tier_bytes=tuple(stored), tier_read_bytes=tuple(rd),

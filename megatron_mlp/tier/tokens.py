@@ -32,8 +32,10 @@ ticket is larger than every live one), creates its queue file flocked before it 
 slots only while fewer than ``slots`` live tickets are smaller than its own. So waiters are served
 in ticket order; a waiter is overtaken at most once by each process that found the queue empty
 (``try_acquire`` and the fast path of ``acquire`` only take a free slot when nobody waits).
-Waiting is polling with a short back-off (2 ms up to 20 ms): negligible against subgroup I/O, and
-it lets ``acquire`` honour its timeout exactly.
+The first waiter in line with one slot and no timeout sleeps in a blocking flock on the slot, so
+the kernel hands the token over as soon as the holder lets go; otherwise the first in line polls
+every 0.5 ms and the others watch the queue with a short back-off (1 ms up to 5 ms), which lets
+``acquire`` honour its timeout exactly and costs nothing measurable against subgroup I/O.
 
 Threads: a :class:`TierToken` object is one holder. Its methods are thread-safe; a second thread
 calling ``acquire`` on an object another thread holds waits in-process (a condition variable in
@@ -60,8 +62,9 @@ from megatron_mlp.errors import ConfigError, MLPOffloadError
 from megatron_mlp.tier.device import device_key
 
 RUNTIME_DIR_FLAG = "--mlp-offload-runtime-dir"
-_POLL_S = 0.002
-_MAX_POLL_S = 0.02
+_POLL_S = 0.001
+_MAX_POLL_S = 0.005
+_HEAD_POLL_S = 0.0005
 
 
 class TokenOrderError(MLPOffloadError, RuntimeError):
@@ -293,6 +296,15 @@ class TierToken:
             os.close(fd)
         return False
 
+    def _block_on_slot0(self) -> None:
+        fd = _open(self._path("slot-0"), os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # GIL released while blocked
+        except BaseException:
+            os.close(fd)
+            raise
+        self._slot_fd, self.slot = fd, 0
+
     def _live_tickets_below(self, ticket: int | None, limit: int) -> int:
         """Live queue entries with a ticket below ``ticket`` (all if None), counting up to ``limit``.
         Entries of dead waiters are removed on the way."""
@@ -374,13 +386,24 @@ class TierToken:
         try:
             delay = _POLL_S
             while True:
-                if self._live_tickets_below(ticket, limit=self.slots) < self.slots and self._grab_slot():
-                    return True
+                at_head = self._live_tickets_below(ticket, limit=self.slots) < self.slots
+                if at_head:
+                    if self._grab_slot():
+                        return True
+                    if self.slots == 1 and deadline is None:
+                        # First in line for the only slot, no timeout: sleep in the kernel until the
+                        # holder lets go (or dies), so the hand-over costs no polling latency.
+                        self._block_on_slot0()
+                        return True
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     return False
-                time.sleep(delay if deadline is None else min(delay, max(0.0, deadline - now)))
-                delay = min(delay * 1.5, _MAX_POLL_S)
+                # First in line polls fast (the hand-over is what it waits for); the others only
+                # watch the queue move, which takes at least one hold.
+                pause = _HEAD_POLL_S if at_head else delay
+                time.sleep(pause if deadline is None else min(pause, max(0.0, deadline - now)))
+                if not at_head:
+                    delay = min(delay * 1.5, _MAX_POLL_S)
         finally:
             try:
                 os.unlink(self._path(f"q-{ticket}"))
