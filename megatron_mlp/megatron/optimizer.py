@@ -59,10 +59,16 @@ class _Segment:
 
 
 def _default_inner_factory(mlp_config, group_ranges, param_groups, initial_params):
-    from megatron_mlp.optim import OffloadAdam
+    import os
 
+    from megatron_mlp.optim.offload_adam import OffloadAdam
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    # Ranks of this node share the tiers (placement model, tokens). torchrun/Slurm say how many.
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or (
+        torch.cuda.device_count() if torch.cuda.is_available() else 1)
     return OffloadAdam(mlp_config, group_ranges=group_ranges, param_groups=param_groups,
-                       initial_params=initial_params)
+                       initial_params=initial_params, rank=rank, ranks_per_node=max(1, ranks_per_node))
 
 
 def _adam_hparams(group: dict) -> dict:
@@ -202,6 +208,9 @@ def _set_offload_step(offload, step: int) -> None:
     """Tell the offload optimizer the number of completed steps (bias correction) after a load."""
     if hasattr(offload, "set_step"):
         offload.set_step(step)
+    elif isinstance(getattr(offload, "state", None), dict):
+        for group_state in offload.state.values():  # OffloadAdam: per-group {"step": n}
+            group_state["step"] = step
     else:
         offload.num_steps = step
 

@@ -32,8 +32,15 @@ def add_elapsed(timers, name: str, seconds: float) -> bool:
     return True
 
 
+def _tier_stats(inner) -> list[tuple[str, dict]]:
+    stats = getattr(getattr(inner, "offload", None), "last_step_stats", None) or {}
+    tiers = stats.get("tiers", []) if isinstance(stats, dict) else []
+    return [(f"tier{i}", t) for i, t in enumerate(tiers) if isinstance(t, dict)]
+
+
 def phase_seconds(inner) -> dict[str, float]:
-    """Flatten the offload optimizer's last-step statistics to {timer-suffix: seconds}."""
+    """The last step's phases as {timer-suffix: seconds}: grad D2H, compute, and per tier
+    (``tier<i>``, in --mlp-offload-paths order) fetch / flush / token-wait."""
     out: dict[str, float] = {}
     stats = getattr(inner, "last_stats", {}) or {}
     if "d2h_s" in stats:
@@ -41,38 +48,28 @@ def phase_seconds(inner) -> dict[str, float]:
     if "update_s" in stats:
         out["update"] = stats["update_s"]
     offload_stats = getattr(getattr(inner, "offload", None), "last_step_stats", None) or {}
-    tiers = offload_stats.get("tiers", offload_stats) if isinstance(offload_stats, dict) else {}
-    for tier, tstats in (tiers.items() if isinstance(tiers, dict) else []):
-        if not isinstance(tstats, dict):
-            continue
-        label = _tier_label(tier)
-        for phase in ("fetch", "compute", "flush", "token_wait"):
-            for key in (f"{phase}_s", phase):
-                if isinstance(tstats.get(key), (int, float)):
-                    out[f"{phase.replace('_', '-')}-{label}"] = float(tstats[key])
-                    break
+    for key in ("compute_s", "wait_s", "drain_s"):
+        if isinstance(offload_stats.get(key), (int, float)):
+            out[key[:-2]] = float(offload_stats[key])
+    for label, t in _tier_stats(inner):
+        for phase in ("fetch", "flush", "token_wait"):
+            if isinstance(t.get(f"{phase}_s"), (int, float)):
+                out[f"{phase.replace('_', '-')}-{label}"] = float(t[f"{phase}_s"])
     return out
 
 
 def byte_counts(inner) -> dict[str, int]:
+    """Bytes moved by the last step: D2H grads, H2D params, per tier read / written."""
     out: dict[str, int] = {}
     stats = getattr(inner, "last_stats", {}) or {}
     for key in ("bytes_d2h", "bytes_h2d"):
         if key in stats:
             out[key] = int(stats[key])
-    offload_stats = getattr(getattr(inner, "offload", None), "last_step_stats", None) or {}
-    tiers = offload_stats.get("tiers", offload_stats) if isinstance(offload_stats, dict) else {}
-    for tier, tstats in (tiers.items() if isinstance(tiers, dict) else []):
-        if isinstance(tstats, dict):
-            for key in ("bytes_read", "bytes_written"):
-                if isinstance(tstats.get(key), (int, float)):
-                    out[f"{key}-{_tier_label(tier)}"] = int(tstats[key])
+    for label, t in _tier_stats(inner):
+        for key in ("bytes_read", "bytes_written"):
+            if isinstance(t.get(key), (int, float)):
+                out[f"{key}-{label}"] = int(t[key])
     return out
-
-
-def _tier_label(tier) -> str:
-    text = str(tier).strip("/").replace("/", "_") or "tier"
-    return text[-40:]
 
 
 def report_step_timers(timers, inner) -> dict[str, float]:
