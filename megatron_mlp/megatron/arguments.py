@@ -15,6 +15,7 @@ harness before Megatron is imported, so it is read from ``sys.argv`` by the laun
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -48,6 +49,7 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--mlp-offload-paths", type=str, default=None, metavar="PATH[:OPTS][;PATH...]",
                    help="Storage paths of the virtual tier, ';'-separated, fastest first. Options after ':' "
                         "as key=value: bw (read and write), read_bw, write_bw, cap, qos (a bandwidth cap), "
+                        "rw=shared|separate (do reads and writes share one limit), "
                         "e.g. '/nvme/x:bw=6GB/s;/lustre/x:cap=2TB,qos=1GB/s'. $VARS are expanded in each "
                         "process ($RANK, $LOCAL_RANK, $SLURM_JOB_ID). Required with --mlp-offload.")
     g.add_argument("--mlp-offload-subgroup-size", type=str, default="100M", metavar="N",
@@ -58,6 +60,9 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "(e.g. 8GB, 16GiB; 0 = no cache).")
     g.add_argument("--mlp-offload-prefetch-depth", type=int, default=2, metavar="N",
                    help="Subgroups fetched from storage ahead of the one being updated.")
+    g.add_argument("--mlp-offload-flush-depth", type=int, default=1, metavar="N",
+                   help="Updated subgroups whose write-back to storage may be in flight at once. Host memory "
+                        "per rank: host cache + (prefetch depth + flush depth + 1) subgroup buffers.")
     g.add_argument("--mlp-offload-tokens-per-tier", type=int, default=1, metavar="N",
                    help="Processes of one node that may do I/O on one physical tier at a time.")
     g.add_argument("--mlp-offload-order", type=str, default="alternate", choices=ORDER_POLICIES,
@@ -78,6 +83,9 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--mlp-offload-runtime-dir", type=str, default=None, metavar="DIR",
                    help="Directory of the node-level tier token files, shared by the ranks of a node "
                         "(default: a per-user directory chosen by the tier layer).")
+    g.add_argument("--mlp-offload-job-id", type=str, default=None, metavar="ID",
+                   help="Names this job's scratch directories on the tiers (<path>/...<ID>-r<rank>-...). "
+                        "Default: $SLURM_JOB_ID, $PBS_JOBID or torchrun's $TORCHELASTIC_RUN_ID, else 'job'.")
     g.add_argument("--mlp-offload-no-checksum", dest="mlp_offload_checksum", action="store_false",
                    default=True,
                    help="Do not verify a checksum of every subgroup read back from storage.")
@@ -176,6 +184,7 @@ def config_from_args(args) -> MLPOffloadConfig | None:
         subgroup_params=parse_count(args.mlp_offload_subgroup_size, "--mlp-offload-subgroup-size"),
         host_cache_bytes=_size(args, "mlp_offload_host_cache", "--mlp-offload-host-cache"),
         prefetch_depth=args.mlp_offload_prefetch_depth,
+        flush_depth=args.mlp_offload_flush_depth,
         tokens_per_tier=args.mlp_offload_tokens_per_tier,
         order=args.mlp_offload_order,
         backend=args.mlp_offload_io_backend,
@@ -189,7 +198,80 @@ def config_from_args(args) -> MLPOffloadConfig | None:
         use_tokens=args.mlp_offload_tier_tokens,
         cache_order=args.mlp_offload_cache_order,
         deferred_upcast=args.mlp_offload_deferred_upcast,
+        extra={"job_id": _job_id(args.mlp_offload_job_id)},
     )
+
+
+_JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.+-]{1,64}$")
+JOB_ID_ENV = ("SLURM_JOB_ID", "PBS_JOBID", "TORCHELASTIC_RUN_ID")
+
+
+def _job_id(value: str | None, environ=None) -> str:
+    """The job id naming scratch directories: the flag, else the scheduler's, else 'job'."""
+    environ = os.environ if environ is None else environ
+    if value is None:
+        value = next((environ[k] for k in JOB_ID_ENV if environ.get(k)), "job")
+        value = re.sub(r"[^A-Za-z0-9_.+-]", "_", value)[:64]  # PBS ids carry a host name
+    if not _JOB_ID_RE.match(value):
+        raise ConfigError(f"--mlp-offload-job-id: {value!r} must be 1-64 characters of A-Z a-z 0-9 _ . + - "
+                          "(it becomes part of a directory name)")
+    return value
+
+
+def calibrated_config(config: MLPOffloadConfig, cache_path: str | None = None,
+                      measure=None) -> tuple[MLPOffloadConfig, list[str]]:
+    """Fill in each tier's bandwidth from calibration (``--mlp-offload-calibration``).
+
+    'off' leaves the declared ``bw=`` options (placement then uses equal defaults elsewhere);
+    'auto' measures once per node and path, cached (concurrent ranks wait for one measurement);
+    a file gives figures measured earlier (``megatron-mlp calibrate --cache FILE``). From a file, a
+    calibration of a parent directory on the same device counts for a path below it, so a per-job
+    scratch directory uses the figures of the node's NVMe measured by an earlier job.
+    Declared figures always win over measured ones.
+
+    Returns:
+        (config with bandwidths filled in, notes to print once)
+    Raises:
+        ConfigError: the calibration file does not exist or is not a calibration file.
+    """
+    if config.calibration == "off":
+        return config, []
+    from megatron_mlp.tier.calibration import calibrations_for, resolve_bandwidth
+
+    cals, notes = calibrations_for(config.tiers, config.calibration, cache_path=cache_path, measure=measure)
+    tiers = []
+    for spec, cal in zip(config.tiers, cals):
+        if cal is None and config.calibration != "auto":
+            cal = _ancestor_calibration(config.calibration, spec.path)
+        if cal is None:
+            notes.append(f"--mlp-offload-calibration: no figures for {spec.path}; using its declared bandwidth "
+                         "or the default assumption")
+            tiers.append(spec)
+            continue
+        bw = resolve_bandwidth(spec, cal)
+        tiers.append(dataclasses.replace(spec, read_bytes_per_s=bw.read_bytes_per_s,
+                                         write_bytes_per_s=bw.write_bytes_per_s,
+                                         shared_rw_limit=bw.shared_rw_limit))
+    return config.replace(tiers=tuple(tiers)), notes
+
+
+def _ancestor_calibration(file_path: str, path: str):
+    """The file's calibration of the nearest parent directory of ``path`` on the same device."""
+    from megatron_mlp.tier.calibration import PathCalibration, load_cache
+    from megatron_mlp.tier.device import device_info
+
+    info = device_info(path)
+    best = None
+    for entry in load_cache(file_path).values():
+        if not isinstance(entry, dict):
+            continue
+        root = entry.get("realpath", "")
+        if entry.get("st_dev") != info.st_dev or not root:
+            continue
+        if info.realpath == root or info.realpath.startswith(root.rstrip("/") + "/"):
+            if best is None or len(root) > len(best["realpath"]):
+                best = entry
+    return PathCalibration.from_dict(best) if best else None
 
 
 def cpu_requested(argv: list[str] | None = None, environ=None) -> bool:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import functools
 import sys
 
-from megatron_mlp.megatron.arguments import add_mlp_offload_args, config_from_args, cpu_requested
+from megatron_mlp.megatron.arguments import (add_mlp_offload_args, calibrated_config, config_from_args,
+                                             cpu_requested)
 
 TIMER_PREFIX = "optimizer-mlp-offload"
 _MARK = "__mlp_offload_hook__"
@@ -52,7 +53,8 @@ def wrap_get_megatron_optimizer(get_megatron_optimizer, get_args):
     """Megatron's optimizer factory; with ``--mlp-offload`` it builds MLP-Offload's optimizer.
 
     The config is built from Megatron's parsed arguments when the factory runs (the arguments
-    exist by then); with ``--mlp-offload`` off the original runs untouched.
+    exist by then), with tier bandwidths from calibration; with ``--mlp-offload`` off the original
+    runs untouched.
     """
     if _hooked(get_megatron_optimizer):
         return get_megatron_optimizer
@@ -62,11 +64,25 @@ def wrap_get_megatron_optimizer(get_megatron_optimizer, get_args):
         config = config_from_args(get_args())
         if config is None:
             return get_megatron_optimizer(*args, **kwargs)
+        config, notes = calibrated_config(config)
+        for note in notes:
+            _print_rank_0(f"megatron_mlp: {note}")
         from megatron_mlp.megatron import factory  # the optimizer and its factory hook
 
         return factory.wrap_get_megatron_optimizer(get_megatron_optimizer, config)(*args, **kwargs)
 
     return _mark(hooked)
+
+
+def _print_rank_0(message: str) -> None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            return
+    except ImportError:
+        pass
+    print(message, flush=True)
 
 
 def offload_timer_names(timers) -> list[str]:

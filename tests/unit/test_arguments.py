@@ -161,3 +161,89 @@ def test_flags_work_as_extra_args_provider_of_installed_megatron():
     parser = add_mlp_offload_args(add_megatron_arguments(parser))
     args = parser.parse_args(["--use-distributed-optimizer", "--mlp-offload", "--mlp-offload-paths", "/a"])
     assert config_from_args(args).tiers[0].path == "/a"
+
+
+# ------------------------------------------------------------------ job id and flush depth
+
+def test_flush_depth_and_job_id_reach_the_config():
+    cfg = _config("--mlp-offload", "--mlp-offload-paths", "/a", "--mlp-offload-flush-depth", "3",
+                  "--mlp-offload-job-id", "run-7")
+    assert cfg.flush_depth == 3 and cfg.extra["job_id"] == "run-7"
+
+
+def test_job_id_defaults_to_the_scheduler_job_id_when_flag_is_absent(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setenv("PBS_JOBID", "1234.pbs-server")
+    assert _config("--mlp-offload", "--mlp-offload-paths", "/a").extra["job_id"] == "1234.pbs-server"
+    monkeypatch.setenv("SLURM_JOB_ID", "998877")
+    assert _config("--mlp-offload", "--mlp-offload-paths", "/a").extra["job_id"] == "998877"
+
+
+def test_job_id_that_cannot_name_a_directory_is_rejected_naming_the_flag():
+    with pytest.raises(ConfigError, match="--mlp-offload-job-id: '../x'"):
+        _config("--mlp-offload", "--mlp-offload-paths", "/a", "--mlp-offload-job-id", "../x")
+
+
+# ------------------------------------------------------------------ calibration
+
+def _fake_measure(read, write, shared=True):
+    from megatron_mlp.tier.calibration import PathCalibration
+    from megatron_mlp.tier.device import device_info
+    calls = []
+
+    def measure(path, size_bytes, procs):
+        calls.append(path)
+        info = device_info(path)
+        return PathCalibration(host=__import__("socket").gethostname(), realpath=info.realpath,
+                               device_key=info.key, st_dev=info.st_dev, fs_type=info.fs_type, o_direct=True,
+                               backend="threads", size_bytes=size_bytes, read_bytes_per_s=read,
+                               write_bytes_per_s=write, procs=procs, contended_read_bytes_per_s=read,
+                               contended_write_bytes_per_s=write, mixed_bytes_per_s=read, shared_rw_limit=shared,
+                               measured_at=0.0)
+    return measure, calls
+
+
+def test_calibration_off_keeps_declared_and_missing_bandwidths():
+    cfg = _config("--mlp-offload", "--mlp-offload-paths", "/a:bw=2GB/s;/b", "--mlp-offload-calibration", "off")
+    assert arguments.calibrated_config(cfg) == (cfg, [])
+
+
+def test_calibration_auto_fills_measured_bandwidth_and_keeps_declared_when_both_exist(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    cfg = _config("--mlp-offload", "--mlp-offload-paths", f"{a};{b}:bw=9GB/s")
+    measure, calls = _fake_measure(3e9, 2e9, shared=False)
+    out, notes = arguments.calibrated_config(cfg, cache_path=str(tmp_path / "cache.json"), measure=measure)
+    assert (out.tiers[0].read_bytes_per_s, out.tiers[0].write_bytes_per_s) == (3e9, 2e9)
+    assert out.tiers[0].shared_rw_limit is False
+    assert (out.tiers[1].read_bytes_per_s, out.tiers[1].write_bytes_per_s) == (9e9, 9e9)
+    # cached: a second rank (or job) does not measure again
+    again, _ = arguments.calibrated_config(cfg, cache_path=str(tmp_path / "cache.json"),
+                                           measure=lambda *a, **k: pytest.fail("measured twice"))
+    assert again == out
+
+
+def test_calibration_file_of_a_parent_directory_serves_a_per_job_directory_below_it(tmp_path):
+    base = tmp_path / "nvme"
+    base.mkdir()
+    cache = tmp_path / "node0.json"
+    measure, _ = _fake_measure(5e9, 4e9)
+    from megatron_mlp.tier.calibration import calibrate_paths
+    calibrate_paths([str(base)], str(cache), measure=measure)  # what `megatron-mlp calibrate --cache` writes
+    job_dir = base / "megatron-mlp-4242"
+    job_dir.mkdir()
+    cfg = _config("--mlp-offload", "--mlp-offload-paths", str(job_dir), "--mlp-offload-calibration", str(cache))
+    out, notes = arguments.calibrated_config(cfg)
+    assert (out.tiers[0].read_bytes_per_s, out.tiers[0].write_bytes_per_s) == (5e9, 4e9) and notes == []
+
+
+def test_calibration_file_without_the_path_leaves_it_to_defaults_with_a_note(tmp_path):
+    base, other = tmp_path / "nvme", tmp_path / "other"
+    base.mkdir(), other.mkdir()
+    cache = tmp_path / "node0.json"
+    measure, _ = _fake_measure(5e9, 4e9)
+    from megatron_mlp.tier.calibration import calibrate_paths
+    calibrate_paths([str(base)], str(cache), measure=measure)
+    cfg = _config("--mlp-offload", "--mlp-offload-paths", str(other), "--mlp-offload-calibration", str(cache))
+    out, notes = arguments.calibrated_config(cfg)
+    assert out.tiers[0].read_bytes_per_s is None and str(other) in notes[0]
