@@ -3,11 +3,13 @@
 One pure function, :func:`render_job_script`, turns :class:`SlurmJob` options into the text of an
 sbatch file; the CLI only parses options, writes the file and optionally submits it. The script:
 
-* makes the optimizer-state scratch unique per job and rank, mode 0700: node-local
-  ``<nvme>/megatron-mlp-$SLURM_JOB_ID/local<LOCAL_RANK>`` on every node and
-  ``<pfs>/megatron-mlp-$SLURM_JOB_ID/rank<RANK>`` on the shared file system;
-* calibrates each node's tier bandwidth once and caches it per node name across jobs
-  (``megatron-mlp calibrate``), so ranks never measure while others train;
+* makes the optimizer-state scratch unique per job, mode 0700: node-local
+  ``<nvme>/megatron-mlp-$SLURM_JOB_ID`` on every node and ``<pfs>/megatron-mlp-$SLURM_JOB_ID`` on the
+  shared file system; inside them each rank's optimizer makes its own 0700 directory named by job
+  id and rank (``--mlp-offload-job-id`` defaults to ``$SLURM_JOB_ID``);
+* calibrates each node's tier bandwidth before training, into a per-node cache file kept across
+  jobs (``megatron-mlp calibrate --cache``: measured once, then reused), measuring the base
+  directories so that every later job's scratch below them uses the same figures;
 * starts the ranks with srun alone (default: Slurm delivers SIGTERM straight to each training
   process) or srun + torchrun (c10d rendezvous on the first node);
 * relies on Megatron's own ``--exit-signal-handler`` for checkpoint-on-SIGTERM, with
@@ -94,12 +96,12 @@ def _q(text: str) -> str:
 
 
 def _paths_spec(job: SlurmJob) -> str:
-    """The --mlp-offload-paths value; single-quoted in the script so that $LOCAL_RANK and $RANK are
-    expanded by each training process (parse_tier_paths expands them), not by the batch shell."""
-    nvme = "$MLP_NVME_DIR/local$LOCAL_RANK" + (f":bw={job.nvme_bw}" if job.nvme_bw else "")
+    """The --mlp-offload-paths value; single-quoted in the script so that each training process
+    expands the variables (parse_tier_paths does), with the environment srun gives it."""
+    nvme = "$MLP_NVME_DIR" + (f":bw={job.nvme_bw}" if job.nvme_bw else "")
     if not job.pfs_path:
         return nvme
-    pfs = "$MLP_PFS_DIR/rank$RANK" + (f":bw={job.pfs_bw}" if job.pfs_bw else "")
+    pfs = "$MLP_PFS_DIR" + (f":bw={job.pfs_bw}" if job.pfs_bw else "")
     return f"{nvme};{pfs}"
 
 
@@ -142,12 +144,13 @@ def render_job_script(job: SlurmJob) -> str:
         f"PYTHON={_q(job.python)}",
         f"export GPUS_PER_NODE={g}",
         f"export NNODES={n}",
-        f"WORLD_SIZE_TOTAL={job.world_size}",
         "# Optimizer-state scratch, unique per job (and below, per rank); never the checkpoint.",
-        f"export MLP_NVME_DIR={_q(job.nvme_path.rstrip('/') + '/megatron-mlp-${SLURM_JOB_ID}')}",
+        f"export MLP_NVME_BASE={_q(job.nvme_path.rstrip('/'))}",
+        "export MLP_NVME_DIR=\"$MLP_NVME_BASE/megatron-mlp-$SLURM_JOB_ID\"",
     ]
     if job.pfs_path:
-        lines.append(f"export MLP_PFS_DIR={_q(job.pfs_path.rstrip('/') + '/megatron-mlp-${SLURM_JOB_ID}')}")
+        lines += [f"export MLP_PFS_BASE={_q(job.pfs_path.rstrip('/'))}",
+                  "export MLP_PFS_DIR=\"$MLP_PFS_BASE/megatron-mlp-$SLURM_JOB_ID\""]
     lines += [
         f"export MLP_CALIBRATION_CACHE={_q(job.calibration_cache)}",
         "export MASTER_ADDR=\"$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)\"",
@@ -171,30 +174,24 @@ def render_job_script(job: SlurmJob) -> str:
         "trap cleanup EXIT",
         "trap on_term TERM INT",
         "",
-        "# 1. Scratch directories, mode 0700: one per local rank on every node, one per rank on the PFS.",
+        "# 1. Scratch directories of this job, mode 0700: on every node's NVMe and once on the PFS.",
+        "# Each rank's optimizer makes its own 0700 directory inside (named by job id and rank).",
         "srun --nodes=\"$NNODES\" --ntasks-per-node=1 bash -c "
-        "'umask 077 && mkdir -p -m 700 \"$MLP_NVME_DIR\" && "
-        "for r in $(seq 0 $((GPUS_PER_NODE - 1))); do mkdir -p -m 700 \"$MLP_NVME_DIR/local$r\"; done' || exit 1",
+        "'umask 077 && mkdir -p -m 700 \"$MLP_NVME_DIR\"' || exit 1",
     ]
-    lines[-1] = lines[-1].replace("$((GPUS_PER_NODE - 1))", f"{g - 1}")
     if job.pfs_path:
-        lines += [
-            "(umask 077 && mkdir -p -m 700 \"$MLP_PFS_DIR\" && "
-            "for r in $(seq 0 $((WORLD_SIZE_TOTAL - 1))); do mkdir -p -m 700 \"$MLP_PFS_DIR/rank$r\"; done) || exit 1",
-        ]
-    calib_flag = ""
+        lines.append("(umask 077 && mkdir -p -m 700 \"$MLP_PFS_DIR\") || exit 1")
     if job.calibrate:
-        calib_paths = "$MLP_NVME_DIR/local0" + (";$MLP_PFS_DIR/rank$((SLURM_NODEID * GPUS_PER_NODE))"
-                                                 if job.pfs_path else "")
-        calib_paths = calib_paths.replace("GPUS_PER_NODE", str(g))
+        calib_paths = "$MLP_NVME_BASE" + (";$MLP_PFS_BASE" if job.pfs_path else "")
         lines += [
             "",
-            "# 2. Tier bandwidth, measured once per node and cached by node name across jobs.",
+            "# 2. Tier bandwidth per node, with all local ranks' contention; the cache file keeps it",
+            "#    across jobs (measured once per node, reused while the device is the same).",
             "mkdir -p \"$MLP_CALIBRATION_CACHE\"",
             "srun --nodes=\"$NNODES\" --ntasks-per-node=1 bash -c "
-            "'f=\"$MLP_CALIBRATION_CACHE/$SLURMD_NODENAME.json\"; "
-            f"[ -s \"$f\" ] || megatron-mlp calibrate --paths \"{calib_paths}\" "
-            f"--ranks-per-node {g} --output \"$f\"' || exit 1",
+            "'exec \"$0\" -m megatron_mlp calibrate --paths \"$1\" --procs \"$GPUS_PER_NODE\" "
+            "--cache \"$MLP_CALIBRATION_CACHE/$SLURMD_NODENAME.json\"' "
+            f"\"$PYTHON\" \"{calib_paths}\" || exit 1",
         ]
         calib_flag = " --mlp-offload-calibration '$MLP_CALIBRATION_CACHE/$SLURMD_NODENAME.json'"
     else:

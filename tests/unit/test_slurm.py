@@ -137,9 +137,6 @@ with open(os.environ["FAKE_LOG"], "a") as f:
     f.write(json.dumps({"cmd": name, "argv": sys.argv[1:]}) + "\n")
 if name == "scontrol":
     print("\n".join(f"node{i}" for i in range(int(os.environ["SLURM_JOB_NUM_NODES"]))))
-if name == "megatron-mlp":
-    out = sys.argv[sys.argv.index("--output") + 1]
-    open(out, "w").write(json.dumps({"node": os.environ["SLURMD_NODENAME"]}))
 if name == "sbatch":
     print("Submitted batch job 4242")
 '''
@@ -149,6 +146,13 @@ if name == "sbatch":
 FAKE_PYTHON = r'''
 import os, sys, json, signal, subprocess, time
 argv = sys.argv[1:]
+if argv[:3] == ["-m", "megatron_mlp", "calibrate"]:
+    cache = argv[argv.index("--cache") + 1]
+    with open(os.environ["FAKE_LOG"], "a") as f:
+        f.write(json.dumps({"cmd": "calibrate", "argv": argv[3:], "node": os.environ["SLURMD_NODENAME"]}) + "\n")
+    if not os.path.exists(cache):  # the real command measures once, then reuses its cache
+        open(cache, "w").write(json.dumps({"node": os.environ["SLURMD_NODENAME"]}))
+    sys.exit(0)
 if argv[:2] == ["-m", "torch.distributed.run"]:
     opts = dict(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a)
     rest = argv[argv.index("-m", 2):]
@@ -183,7 +187,7 @@ def _fake_bin(tmp_path: Path) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_RECORDER), ("sbatch", FAKE_RECORDER),
-                       ("megatron-mlp", FAKE_RECORDER), ("fakepython", FAKE_PYTHON)):
+                       ("fakepython", FAKE_PYTHON)):
         exe = bin_dir / name
         exe.write_text(f"#!{sys.executable}\n{body}")
         exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
@@ -227,7 +231,7 @@ def test_job_gives_each_rank_private_scratch_and_removes_it_when_training_ends(t
     assert {r["world_size"] for r in trains} == {"4"} and {r["master"] for r in trains} == {"node0"}
     nvme, pfs = tmp_path / "nvme" / "megatron-mlp-101", tmp_path / "pfs" / "megatron-mlp-101"
     for r in trains:
-        assert r["dirs"] == [f"{nvme}/local{r['local_rank']}", f"{pfs}/rank{r['rank']}"]
+        assert r["dirs"] == [str(nvme), str(pfs)]  # each rank's optimizer makes its own dir inside
         assert r["modes"] == ["0o700", "0o700"]
         assert "--exit-signal-handler" in r["argv"] and "--mlp-offload" in r["argv"]
         assert r["argv"][0:2] == ["-m", "megatron_mlp.launch"]
@@ -241,16 +245,22 @@ def test_job_gives_each_rank_private_scratch_and_removes_it_when_training_ends(t
         assert len(runs) == 2 and "--rdzv-endpoint=node0:29500" in runs[0]["argv"]
 
 
-def test_calibration_runs_once_per_node_and_is_reused_by_later_jobs(tmp_path):
+def test_calibration_runs_per_node_into_a_cache_kept_across_jobs(tmp_path):
     for job_id in ("201", "202"):
         _, _, proc = _run_job(tmp_path, job_id)
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, out
-    calibrations = [r for r in _records(tmp_path) if r["cmd"] == "megatron-mlp"]
-    assert len(calibrations) == 2, "one per node in the first job, none in the second"
+    calibrations = [r for r in _records(tmp_path) if r["cmd"] == "calibrate"]
+    assert sorted(r["node"] for r in calibrations) == ["node0", "node0", "node1", "node1"]
+    for r in calibrations:
+        # the node's base directories, not the job's: the figures stay valid for later jobs
+        assert r["argv"][r["argv"].index("--paths") + 1] == f"{tmp_path / 'nvme'};{tmp_path / 'pfs'}"
+        assert r["argv"][r["argv"].index("--cache") + 1] == str(tmp_path / "calib" / f"{r['node']}.json")
+        assert r["argv"][r["argv"].index("--procs") + 1] == "2"
     assert sorted(os.listdir(tmp_path / "calib")) == ["node0.json", "node1.json"]
     trains = [r for r in _records(tmp_path) if r["cmd"] == "train"]
     assert {r["calibration"] for r in trains} == {str(tmp_path / "calib" / f"node{i}.json") for i in (0, 1)}
+    assert all(r["calibration_exists"] for r in trains)
 
 
 def test_job_keeps_scratch_until_ranks_have_saved_when_cancelled_with_sigterm(tmp_path):
@@ -274,4 +284,5 @@ def test_job_without_pfs_uses_nvme_only_and_no_calibration_when_disabled(tmp_pat
     assert proc.returncode == 0, out
     trains = [r for r in _records(tmp_path) if r["cmd"] == "train"]
     assert all(len(r["dirs"]) == 1 for r in trains) and len(trains) == 4
-    assert not [r for r in _records(tmp_path) if r["cmd"] == "megatron-mlp"]
+    assert not [r for r in _records(tmp_path) if r["cmd"] == "calibrate"]
+    assert all(r["argv"][r["argv"].index("--mlp-offload-calibration") + 1] == "off" for r in trains)
