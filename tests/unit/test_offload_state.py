@@ -133,8 +133,8 @@ def test_failed_flush_keeps_new_state_in_memory_and_previous_copy_readable(tier_
             ref.step(g)
         previous = {name: ref.state(name).clone() for name in STATES}
         store = opt.stores[0]
-        # The next write fails midway (half of it reached the file).
-        engines.engines[0].inject_fault(nth=1, err=errno.EIO, short=True, op="write")
+        # The next write fails.
+        engines.engines[0].inject_fault(nth=1, err=errno.EIO, op="write")
         g = grads_for(2, torch.bfloat16)
         with pytest.raises(TierIOError, match=r"kept in host memory.*intact"):
             opt.step(g)
@@ -146,7 +146,11 @@ def test_failed_flush_keeps_new_state_in_memory_and_previous_copy_readable(tier_
         assert len(failed) == 1
         sg = opt.plan[failed[0]]
         rec = store.records[sg.index]
-        # Its record still points at the previous good copy, which reads back as the previous state.
+        # Whatever the failed write left in its target slot (here: garbage) is never read:
+        with open(store.file_path, "r+b") as f:
+            f.seek(rec.offsets[rec.next_slot])
+            f.write(b"\xff" * sg.region_bytes)
+        # the record still points at the previous good copy, which reads back as the previous state.
         raw = torch.empty(sg.region_bytes, dtype=torch.uint8)
         with open(store.file_path, "rb") as f:
             f.seek(rec.offsets[rec.current])
