@@ -62,6 +62,8 @@ class TierStore:
     checksum: bool
     split_lanes: bool
     records: dict = field(default_factory=dict)   # subgroup index -> SlotRecord
+    write_engine: object = None   # split lanes: a second engine, so a read waiting for its
+    write_handle: object = None   # bandwidth cap never holds up a write (and vice versa)
     stats: TierStepStats | None = None
     _read_lane: ThreadPoolExecutor | None = None
     _write_lane: ThreadPoolExecutor | None = None
@@ -105,9 +107,13 @@ class TierStore:
             records[sg.index] = SlotRecord((offset, offset + sg.region_bytes))
             offset += 2 * sg.region_bytes
         split = spec.qos_bytes_per_s is not None
+        write_engine, write_handle = engine, handle
+        if split:
+            write_engine = engine_factory(spec)
+            write_handle = write_engine.open(file_path, create=False, direct=True)
         store = cls(index=index, path=spec.path, scratch_dir=scratch, file_path=file_path, engine=engine,
                     handle=handle, token=token_factory(spec), checksum=checksum, split_lanes=split,
-                    records=records)
+                    records=records, write_engine=write_engine, write_handle=write_handle)
         store._read_lane = ThreadPoolExecutor(1, thread_name_prefix=f"mlp-tier{index}-io")
         store._write_lane = (ThreadPoolExecutor(1, thread_name_prefix=f"mlp-tier{index}-wr")
                              if split else store._read_lane)
@@ -199,7 +205,7 @@ class TierStore:
 
         def write():
             t0 = time.perf_counter()
-            self.engine.write(self.handle, region, offset).wait()
+            self.write_engine.write(self.write_handle, region, offset).wait()
             self.stats.add(flush_s=time.perf_counter() - t0, bytes_written=sg.region_bytes, flushes=1)
 
         self._with_token(write)
@@ -220,11 +226,12 @@ class TierStore:
                 lane.shutdown(wait=True)
         self._read_lane = self._write_lane = None
         try:
-            close = getattr(self.handle, "close", None)
-            if close is not None:
-                close()
+            for handle in {id(self.handle): self.handle, id(self.write_handle): self.write_handle}.values():
+                handle.close()
         finally:
             self.engine.close()
+            if self.write_engine is not self.engine:
+                self.write_engine.close()
             if remove:
                 for p in (self.file_path,):
                     try:

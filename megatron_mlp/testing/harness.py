@@ -105,6 +105,7 @@ def install_cpu_harness() -> None:
         _STATE["orig_type"] = torch.Tensor.type
         _STATE["orig_current_device"] = torch.cuda.current_device
         _STATE["orig_fork"] = mrandom.CudaRNGStatesTracker.fork
+        _STATE["orig_synchronize"] = torch.cuda.synchronize
         # Patch 1 (see _CudaToCpuMode). Entered globally, not as a context: Megatron's calls
         # happen across the whole training loop.
         mode = _CudaToCpuMode()
@@ -117,6 +118,9 @@ def install_cpu_harness() -> None:
         torch.cuda.current_device = lambda: 0
         # Patch 4 (see _no_fork).
         mrandom.CudaRNGStatesTracker.fork = _no_fork
+        # Patch 5: torch.cuda.synchronize() is a no-op (CPU ops are synchronous). Needed only by
+        # checkpoint saving (dist_checkpointing's tensor preload), not by training.
+        torch.cuda.synchronize = lambda device=None: None
         # Gloo is the only backend here; dynamo would try to compile Megatron's jit'd
         # fusions for a device that does not exist.
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -133,6 +137,7 @@ def uninstall_cpu_harness() -> None:
         torch.Tensor.type = _STATE["orig_type"]
         torch.cuda.current_device = _STATE["orig_current_device"]
         mrandom.CudaRNGStatesTracker.fork = _STATE["orig_fork"]
+        torch.cuda.synchronize = _STATE["orig_synchronize"]
         _STATE.clear()
 
 

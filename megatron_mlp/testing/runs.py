@@ -85,10 +85,13 @@ def checkpoint_run(rank, world_size, spec, tp, mlp_config, iters_before, iters_a
 
     model, opt = build(spec, tp, mlp_config, inner_factory=inner_factory)
     meta = {"distrib_optim_sharding_type": sharding_type}
+    gpt_model = model[0].module
+    while hasattr(gpt_model, "module"):  # DDP -> Float16Module -> GPTModel
+        gpt_model = gpt_model.module
     if mode == "save":
         for i in range(iters_before):
             gpt.train_step(spec, model, opt, i)
-        model_sd = model[0].sharded_state_dict()
+        model_sd = gpt_model.sharded_state_dict()
         sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, metadata=meta)}
         if rank == 0:
             os.makedirs(ckpt_dir, exist_ok=True)
@@ -96,10 +99,15 @@ def checkpoint_run(rank, world_size, spec, tp, mlp_config, iters_before, iters_a
         dist_checkpointing.save(sd, ckpt_dir)
         torch.distributed.barrier()
     else:
-        model_sd = model[0].sharded_state_dict()
+        if mlp_config is None:
+            # Stock DistributedOptimizer without TE/Apex cannot load into a fresh optimizer (no
+            # torch state yet: an assert on the per-param steps). One step creates that state;
+            # the load then overwrites params, Adam state and step.
+            gpt.train_step(spec, model, opt, 0)
+        model_sd = gpt_model.sharded_state_dict()
         sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=meta)}
         loaded = dist_checkpointing.load(sd, ckpt_dir)
-        model[0].load_state_dict(loaded["model"])
+        gpt_model.load_state_dict(loaded["model"])
         opt.load_state_dict(loaded["optimizer"])
     state = optimizer_state_by_param(model, opt)
     losses = [gpt.train_step(spec, model, opt, iters_before + i) for i in range(iters_after)]
