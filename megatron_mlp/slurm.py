@@ -231,6 +231,130 @@ def render_job_script(job: SlurmJob) -> str:
     return "\n".join(lines)
 
 
+def _walltime_seconds(time: str) -> int:
+    """Slurm time ('D-HH:MM:SS', 'HH:MM:SS', 'MM:SS', 'MM') in seconds."""
+    days, _, rest = time.rpartition("-")
+    parts = [int(x) for x in rest.split(":")]
+    if len(parts) == 1:
+        seconds = parts[0] * 60
+    elif len(parts) == 2:
+        seconds = parts[0] * 60 + parts[1]
+    else:
+        seconds = parts[0] * 3600 + parts[1] * 60 + parts[2]
+    return seconds + (int(days) * 86400 if days else 0)
+
+
+def render_pbs_script(job: SlurmJob) -> str:
+    """The PBS Pro / OpenPBS variant of :func:`render_job_script` (pure; passes ``bash -n``).
+
+    Same scratch, calibration and cleanup logic; ranks start with ``mpiexec --ppn`` (MPICH/PALS
+    style, one process per GPU). PBS sends no signal ahead of the walltime, so Megatron's own
+    ``--exit-duration-in-mins`` (walltime less ``signal_seconds``) saves and exits in time;
+    ``--exit-signal-handler`` still turns ``qsig -s TERM <job>`` into a checkpoint and exit.
+    """
+    g, n = job.gpus_per_node, job.nodes
+    wall = _walltime_seconds(job.time)
+    select = f"select={n}:ngpus={g}:mpiprocs={g}" + (f":ncpus={job.cpus_per_gpu * g}" if job.cpus_per_gpu else "")
+    lines = [
+        "#!/bin/bash",
+        "# Rendered by `megatron-mlp slurm --scheduler pbs`; re-render rather than edit (see docs/usage.md).",
+        f"#PBS -N {job.job_name}",
+        f"#PBS -l {select}",
+        f"#PBS -l walltime={wall // 3600:02d}:{wall % 3600 // 60:02d}:{wall % 60:02d}",
+        "#PBS -l place=scatter:exclusive",
+    ]
+    if job.partition:
+        lines.append(f"#PBS -q {job.partition}")
+    if job.account:
+        lines.append(f"#PBS -A {job.account}")
+    lines += ["#PBS -j oe", "", "set -uo pipefail"]
+    lines += list(job.setup)
+    lines += [
+        "cd \"${PBS_O_WORKDIR:-$PWD}\"",
+        "",
+        f"MEGATRON_LM_PATH={_q(job.megatron_path)}",
+        f"PYTHON={_q(job.python)}",
+        "JOB_ID=\"${PBS_JOBID%%.*}\"",
+        f"WALLTIME_S={wall}",
+        f"export GPUS_PER_NODE={g}",
+        "export NNODES=\"$(sort -u \"$PBS_NODEFILE\" | wc -l)\"",
+        "# Optimizer-state scratch, unique per job; each rank's optimizer makes its own 0700 dir inside.",
+        f"export MLP_NVME_BASE={_q(job.nvme_path.rstrip('/'))}",
+        "export MLP_NVME_DIR=\"$MLP_NVME_BASE/megatron-mlp-$JOB_ID\"",
+    ]
+    if job.pfs_path:
+        lines += [f"export MLP_PFS_BASE={_q(job.pfs_path.rstrip('/'))}",
+                  "export MLP_PFS_DIR=\"$MLP_PFS_BASE/megatron-mlp-$JOB_ID\""]
+    lines += [
+        f"export MLP_CALIBRATION_CACHE={_q(job.calibration_cache)}",
+        "export MASTER_ADDR=\"$(head -n 1 \"$PBS_NODEFILE\")\"",
+        f"export MASTER_PORT={job.master_port}",
+        "export OMP_NUM_THREADS=\"${OMP_NUM_THREADS:-4}\"",
+        "# Per node, once: mpiexec with one process per node.",
+        "per_node() { mpiexec -n \"$NNODES\" --ppn 1 \"$@\"; }",
+        "",
+        "TRAIN_PID=",
+        "cleanup() {",
+        "    # Runs once, after the training ranks have ended (they may still be saving on SIGTERM).",
+        "    trap - EXIT TERM INT",
+        "    per_node rm -rf -- \"$MLP_NVME_DIR\" || true",
+    ]
+    if job.pfs_path:
+        lines.append("    rm -rf -- \"$MLP_PFS_DIR\" || true")
+    lines += [
+        "}",
+        "on_term() {",
+        "    echo \"megatron-mlp: SIGTERM: waiting for the training ranks to save and exit before removing scratch\"",
+        "    if [ -n \"$TRAIN_PID\" ]; then kill -TERM \"$TRAIN_PID\" 2>/dev/null || true; fi",
+        "}",
+        "trap cleanup EXIT",
+        "trap on_term TERM INT",
+        "",
+        "# 1. Scratch directories of this job, mode 0700: on every node's NVMe and once on the PFS.",
+        "per_node bash -c 'umask 077 && mkdir -p -m 700 \"$MLP_NVME_DIR\"' || exit 1",
+    ]
+    if job.pfs_path:
+        lines.append("(umask 077 && mkdir -p -m 700 \"$MLP_PFS_DIR\") || exit 1")
+    if job.calibrate:
+        calib_paths = "$MLP_NVME_BASE" + (";$MLP_PFS_BASE" if job.pfs_path else "")
+        lines += [
+            "",
+            "# 2. Tier bandwidth per node into a cache file kept across jobs (measured once per node).",
+            "mkdir -p \"$MLP_CALIBRATION_CACHE\"",
+            "per_node bash -c 'exec \"$0\" -m megatron_mlp calibrate --paths \"$1\" --procs \"$GPUS_PER_NODE\" "
+            "--cache \"$MLP_CALIBRATION_CACHE/$(hostname -s).json\"' "
+            f"\"$PYTHON\" \"{calib_paths}\" || exit 1",
+        ]
+        calib_flag = " --mlp-offload-calibration '$MLP_CALIBRATION_CACHE/$MLP_NODE.json'"
+    else:
+        calib_flag = " --mlp-offload-calibration off"
+    mlp = f"--mlp-offload --mlp-offload-paths '{_paths_spec(job)}'{calib_flag}"
+    if job.mlp_args:
+        mlp += " " + job.mlp_args
+    train_args = (f"{job.model_args} --use-distributed-optimizer --exit-signal-handler "
+                  f"--exit-duration-in-mins \"$EXIT_MINUTES\" {mlp}").strip()
+    lines += [
+        "",
+        f"# 3. Train. Megatron saves and exits {job.signal_seconds} s before the walltime: its",
+        "#    --exit-duration-in-mins counts from its own start, so subtract the time spent so far.",
+        f"EXIT_MINUTES=$(( (WALLTIME_S - SECONDS - {job.signal_seconds}) / 60 ))",
+        "[ \"$EXIT_MINUTES\" -ge 1 ] || EXIT_MINUTES=1",
+        f"TRAIN_ARGS=({train_args})",
+        "mpiexec -n \"$((NNODES * GPUS_PER_NODE))\" --ppn \"$GPUS_PER_NODE\" bash -c "
+        "'export RANK=\"${PMI_RANK:-${PALS_RANKID:-0}}\" LOCAL_RANK=\"${PALS_LOCAL_RANKID:-${MPI_LOCALRANKID:-0}}\" "
+        "WORLD_SIZE=\"$((NNODES * GPUS_PER_NODE))\" MLP_NODE=\"$(hostname -s)\"; "
+        "exec \"$0\" -m megatron_mlp.launch \"$@\"' "
+        "\"$PYTHON\" \"$MEGATRON_LM_PATH/" + job.script + "\" \"${TRAIN_ARGS[@]}\" &",
+        "TRAIN_PID=$!",
+        "wait \"$TRAIN_PID\"; rc=$?",
+        "while kill -0 \"$TRAIN_PID\" 2>/dev/null; do wait \"$TRAIN_PID\"; rc=$?; done",
+        "echo \"megatron-mlp: training exited with status $rc\"",
+        "exit \"$rc\"",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-mlp slurm", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -260,8 +384,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-cache", default="$HOME/.cache/megatron_mlp/calibration",
                    help="directory of the per-node calibration files, kept across jobs")
     p.add_argument("--setup", action="append", default=[], help="a shell line run first (repeatable)")
+    p.add_argument("--scheduler", choices=("slurm", "pbs"), default="slurm",
+                   help="pbs: a PBS Pro/OpenPBS script (qsub) with mpiexec --ppn; --partition is the queue")
     p.add_argument("-o", "--output", default="-", help="where to write the script ('-' = stdout)")
-    p.add_argument("--submit", action="store_true", help="submit the written script with sbatch")
+    p.add_argument("--submit", action="store_true", help="submit the written script (sbatch, or qsub for pbs)")
     return p
 
 
@@ -278,7 +404,8 @@ def job_from_args(ns: argparse.Namespace) -> SlurmJob:
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     try:
-        text = render_job_script(job_from_args(ns))
+        job = job_from_args(ns)
+        text = render_pbs_script(job) if ns.scheduler == "pbs" else render_job_script(job)
     except ConfigError as exc:
         print(f"megatron-mlp slurm: {exc}", file=sys.stderr)
         return 2
@@ -293,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     os.chmod(ns.output, 0o755)
     print(f"wrote {ns.output}", file=sys.stderr)
     if ns.submit:
-        return subprocess.call(["sbatch", ns.output])
+        return subprocess.call(["qsub" if ns.scheduler == "pbs" else "sbatch", ns.output])
     return 0
 
 

@@ -286,3 +286,75 @@ def test_job_without_pfs_uses_nvme_only_and_no_calibration_when_disabled(tmp_pat
     assert all(len(r["dirs"]) == 1 for r in trains) and len(trains) == 4
     assert not [r for r in _records(tmp_path) if r["cmd"] == "calibrate"]
     assert all(r["argv"][r["argv"].index("--mlp-offload-calibration") + 1] == "off" for r in trains)
+
+
+# ---------------------------------------------------------------- PBS variant
+
+PBS_GOLDEN = {"pbs_2node.pbs": SlurmJob(
+    megatron_path="$HOME/Megatron-LM", nvme_path="/local/scratch", pfs_path="/lus/grand/projects/myproj/mlp",
+    model_args=MODEL_ARGS, mlp_args="--mlp-offload-host-cache 64GB", nodes=2, gpus_per_node=4,
+    time="06:00:00", partition="prod", account="myproj", cpus_per_gpu=8,
+    setup=("module load conda", "conda activate megatron"))}
+
+FAKE_MPIEXEC = r'''
+import os, signal, subprocess, sys, json
+args = sys.argv[1:]
+n = int(args[args.index("-n") + 1]); ppn = int(args[args.index("--ppn") + 1])
+cmd = args[args.index("--ppn") + 2:]
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps({"cmd": "mpiexec", "argv": args}) + "\n")
+procs = [subprocess.Popen(cmd, env=dict(os.environ, PMI_RANK=str(r), PALS_RANKID=str(r),
+                                        PALS_LOCAL_RANKID=str(r % ppn), SLURMD_NODENAME=f"node{r // ppn}"))
+         for r in range(n)]
+signal.signal(signal.SIGTERM, lambda *a: [p.send_signal(signal.SIGTERM) for p in procs])
+sys.exit(max(p.wait() for p in procs))
+'''
+
+
+@pytest.mark.parametrize("name", sorted(PBS_GOLDEN))
+def test_pbs_script_matches_golden_file_and_passes_bash_syntax_check(name, tmp_path):
+    text = slurm.render_pbs_script(PBS_GOLDEN[name])
+    if os.environ.get("MLP_REGEN_GOLDEN") == "1":
+        (GOLDEN / name).write_text(text)
+    assert (GOLDEN / name).read_text() == text, f"{name} differs; MLP_REGEN_GOLDEN=1 to update deliberately"
+    script = tmp_path / name
+    script.write_text(text)
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    assert "#PBS -l select=2:ngpus=4:mpiprocs=4:ncpus=32" in text and "#PBS -l walltime=06:00:00" in text
+
+
+@pytest.mark.parametrize("time,seconds", [("06:00:00", 21600), ("1-00:00:00", 86400), ("90", 5400),
+                                          ("10:30", 630)])
+def test_slurm_times_convert_to_pbs_walltime(time, seconds):
+    assert slurm._walltime_seconds(time) == seconds
+
+
+def test_pbs_job_runs_ranks_with_private_scratch_and_exits_before_walltime(tmp_path):
+    bin_dir = _fake_bin(tmp_path)
+    mpiexec = bin_dir / "mpiexec"
+    mpiexec.write_text(f"#!{sys.executable}\n{FAKE_MPIEXEC}")
+    mpiexec.chmod(0o755)
+    job = SlurmJob(megatron_path=str(tmp_path / "Megatron-LM"), nvme_path=str(tmp_path / "nvme"),
+                   pfs_path=str(tmp_path / "pfs"), model_args="--num-layers 2", nodes=2, gpus_per_node=2,
+                   time="01:00:00", python=str(bin_dir / "fakepython"), calibration_cache=str(tmp_path / "calib"))
+    script = tmp_path / "job.pbs"
+    script.write_text(slurm.render_pbs_script(job))
+    (tmp_path / "nvme").mkdir()
+    (tmp_path / "pfs").mkdir()
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("node0\nnode0\nnode1\nnode1\n")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=str(tmp_path / "log.jsonl"),
+               PBS_JOBID="5151.pbs01", PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=str(tmp_path))
+    env.pop("FAKE_WAIT_TERM", None)
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    trains = sorted((r for r in _records(tmp_path) if r["cmd"] == "train"), key=lambda r: int(r["rank"]))
+    assert [(r["rank"], r["local_rank"], r["world_size"]) for r in trains] == [
+        ("0", "0", "4"), ("1", "1", "4"), ("2", "0", "4"), ("3", "1", "4")]
+    nvme, pfs = tmp_path / "nvme" / "megatron-mlp-5151", tmp_path / "pfs" / "megatron-mlp-5151"
+    for r in trains:
+        assert r["dirs"] == [str(nvme), str(pfs)] and r["modes"] == ["0o700", "0o700"] and r["master"] == "node0"
+        minutes = int(r["argv"][r["argv"].index("--exit-duration-in-mins") + 1])
+        assert 55 <= minutes <= 58, "walltime less the margin and the set-up time"
+        assert r["calibration_exists"]
+    assert not nvme.exists() and not pfs.exists()
