@@ -230,7 +230,9 @@ class OffloadAdam:
             "format": STATE_DICT_FORMAT,
             "numel": self.numel,
             "group_ranges": [list(r) for r in self.plan.group_ranges],
-            "param_groups": [copy.deepcopy(dict(g)) for g in self.param_groups],
+            # Hyper-parameters only: a caller's group may also hold its "params" (model tensors).
+            "param_groups": [copy.deepcopy({k: v for k, v in g.items() if k != "params"})
+                             for g in self.param_groups],
             "steps": [self.state[g]["step"] for g in sorted(self.state)],
             "iteration": self._iteration,
             "state": chunks,
@@ -260,7 +262,7 @@ class OffloadAdam:
         if covered != self.numel:
             raise ValueError(f"load_state_dict: state chunks cover [0, {covered}) of [0, {self.numel})")
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            group.update(copy.deepcopy(saved))
+            group.update(copy.deepcopy({k: v for k, v in saved.items() if k != "params"}))
         for g, step in enumerate(state_dict["steps"]):
             self.state[g]["step"] = int(step)
         self._iteration = int(state_dict.get("iteration", 0))
@@ -273,8 +275,10 @@ class OffloadAdam:
         if self._closed:
             return
         self._closed = True
-        self._resident.clear()
         self._finalizer()
+        self._resident.clear()
+        self.pool.trim()          # give the host memory back now, not at garbage collection
+        self._upcast_buffer = None
 
     def __enter__(self):
         return self
@@ -300,7 +304,7 @@ class OffloadAdam:
                 # Issue fetches within the prefetch window and the buffer budget. Prefer the next
                 # subgroup whose tier is not waiting for its node token (another rank holds it):
                 # the order of independent subgroups does not change the result.
-                while to_fetch and len(fetching) < depth:
+                while to_fetch and len(fetching) < depth + self._stalled(fetching):
                     idx = self._next_fetch(to_fetch, keep)
                     buf = pool.try_acquire()
                     if buf is None:
@@ -314,7 +318,9 @@ class OffloadAdam:
                     t0 = time.perf_counter()
                     waitables = [f for f, _ in fetching.values()] + list(flushing)
                     if waitables:
-                        wait_futures(waitables, return_when=FIRST_COMPLETED)
+                        # Wake up now and then: a tier may have become token-busy meanwhile,
+                        # which lets another tier's subgroup be fetched (see _stalled).
+                        wait_futures(waitables, timeout=0.01, return_when=FIRST_COMPLETED)
                         self._reap(flushing, errors, block=False)
                     else:
                         # Only retained (failed-flush) buffers hold the pool: go over budget rather than stall.
@@ -365,6 +371,12 @@ class OffloadAdam:
                 self._reap(flushing, errors, block=True)
             stats.drain_s = time.perf_counter() - t0
         return errors
+
+    def _stalled(self, fetching) -> int:
+        """Fetches waiting for a token another rank holds: they do not count against the prefetch
+        window (the pool still bounds the memory), so the pipeline can work on other tiers."""
+        return sum(1 for idx, (fut, _) in fetching.items()
+                   if not fut.done() and self._store_of[self.tier_of[idx]].token_busy)
 
     def _next_fetch(self, to_fetch, keep):
         """The next subgroup to fetch: the first in order, unless its tier's token is busy and a
@@ -577,5 +589,5 @@ def _default_token_factory(config):
         if not config.use_tokens:
             return None
         from megatron_mlp.tier import TierToken
-        return TierToken(spec.path, slots=config.tokens_per_tier)
+        return TierToken(spec.path, slots=config.tokens_per_tier, runtime_dir=config.runtime_dir)
     return make
