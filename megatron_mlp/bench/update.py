@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--subgroup-params", type=int, default=25_000_000)
     p.add_argument("--host-cache-bytes", default="0", help="host cache budget per rank (e.g. 1GB)")
     p.add_argument("--prefetch-depth", type=int, default=2)
-    p.add_argument("--flush-depth", type=int, default=1)
+    p.add_argument("--flush-depth", type=int, default=2)
     p.add_argument("--ranks", type=int, default=1, help="processes sharing the tiers, as ranks of one node")
     p.add_argument("--steps", type=int, default=3, help="update steps per variant (the first is a warm-up)")
     p.add_argument("--grad-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
