@@ -115,7 +115,10 @@ def measure_tier(spec: TierSpec, nbytes: int, backend: str, block_bytes: int, qu
             t.join()
 
     try:
-        one_pass(1, True, 1)                    # the file the concurrent pass reads
+        # Allocate both files first: the optimizer overwrites its slots in steady state, and a
+        # first write to a fresh file (block or tmpfs page allocation) is slower than that.
+        one_pass(1, True, 1)
+        one_pass(1, True, 0)
         t_write = timed(one_pass, 1, True, 0)
         t_read = timed(one_pass, 0, False, 0)
         t_mixed = timed(both)
