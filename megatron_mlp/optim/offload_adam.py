@@ -291,7 +291,10 @@ class OffloadAdam:
     def _run_pipeline(self, order, keep, grads, params_out, hyper, inv_loss_scale, clip_coef,
                       on_subgroup_done, stats):
         plan, pool, resident = self.plan, self.pool, self._resident
-        depth = self.config.prefetch_depth + 1      # fetched-or-fetching subgroups not yet computed
+        # Fetches in flight at once. Completed fetches waiting for the kernel do not count: the pool
+        # (cache + prefetch + flush + 1 buffers) bounds the memory, and letting each tier's lane
+        # run ahead as far as the budget allows keeps every tier busy.
+        depth = self.config.prefetch_depth + 1
         max_flushes = self.config.flush_depth
         remaining = list(order)
         fetching: dict[int, tuple] = {}              # idx -> (future, buffer)
@@ -304,7 +307,7 @@ class OffloadAdam:
                 # Issue fetches within the prefetch window and the buffer budget. Prefer the next
                 # subgroup whose tier is not waiting for its node token (another rank holds it):
                 # the order of independent subgroups does not change the result.
-                while to_fetch and len(fetching) < depth + self._stalled(fetching):
+                while to_fetch and self._in_flight(fetching) < depth + self._stalled(fetching):
                     idx = self._next_fetch(to_fetch, keep)
                     buf = pool.try_acquire()
                     if buf is None:
@@ -371,6 +374,10 @@ class OffloadAdam:
                 self._reap(flushing, errors, block=True)
             stats.drain_s = time.perf_counter() - t0
         return errors
+
+    @staticmethod
+    def _in_flight(fetching) -> int:
+        return sum(1 for fut, _ in fetching.values() if not fut.done())
 
     def _stalled(self, fetching) -> int:
         """Fetches waiting for a token another rank holds: they do not count against the prefetch
