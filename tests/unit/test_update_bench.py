@@ -27,6 +27,7 @@ def test_bench_update_reports_baseline_mlp_ablation_and_bounds_when_run_tiny(cap
     names = [a["name"] for a in s["ablation"]]
     assert names[0].startswith("ZeRO-3") and names[-1].endswith("(= MLP-Offload)") and len(names) == 6
     assert s["ablation"][-1]["seconds"] == s["mlp_s"]
+    assert s["mlp_no_checksum_s"] > 0 and s["checksum_cost_s"] is not None
     assert [t["label"] for t in s["tiers"]] == ["real", "emulated"]
     assert s["emulated_paths"] == [shm_dir]
     # What must hold whatever the timing: MLP-Offload moves fewer bytes than the baseline
