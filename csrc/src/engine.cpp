@@ -284,7 +284,8 @@ void Engine::pump_locked() {
             }
         }
         if (completions_.empty()) {
-            if (wait > 0 && throttle_wait_s_ == 0) cv_.notify_one();
+            // Wake the timer when it is idle or sleeping longer than this cap now needs.
+            if (wait > 0 && (throttle_wait_s_ == 0 || wait < throttle_wait_s_)) cv_.notify_one();
             throttle_wait_s_ = wait;
             return;
         }
