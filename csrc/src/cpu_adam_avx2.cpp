@@ -55,6 +55,12 @@ MLP_TARGET_AVX2 inline void store8(void* out, DType dt, __m256 x) {
 }
 
 MLP_TARGET_AVX2 inline __m256 sqrt8(SqrtMode mode, __m256 x) {
+    if (mode == SqrtMode::kRsqrt14Fma) {  // only on AVX-512 CPUs forced onto this path (tests)
+        alignas(32) float t[8];
+        _mm256_store_ps(t, x);
+        sqrt_rsqrt14_fma_8(t, t);
+        return _mm256_load_ps(t);
+    }
     if (mode != SqrtMode::kRsqrtNewton) return _mm256_sqrt_ps(x);
     const __m256 half = _mm256_set1_ps(0.5f);
     const __m256 y = _mm256_rsqrt_ps(x);
@@ -76,7 +82,7 @@ struct Consts8 {
     __m256 inv, clip, decay, w, wm1, b2, omb2, bc2, eps, nss;
 };
 
-template <DType G, int O, bool SmallWeight, bool Rsqrt>
+template <DType G, int O, bool SmallWeight, int Sq>
 MLP_TARGET_AVX2 inline void body8(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v,
                                   const void* g, void* out) {
     __m256 gi = load8(g, G);
@@ -89,7 +95,7 @@ MLP_TARGET_AVX2 inline void body8(const AdamScalars& s, const Consts8& c, float*
     mi = SmallWeight ? _mm256_fmadd_ps(c.w, diff, mi) : _mm256_fmadd_ps(c.wm1, diff, gi);
     __m256 vi = _mm256_mul_ps(_mm256_loadu_ps(v), c.b2);
     vi = _mm256_fmadd_ps(_mm256_mul_ps(c.omb2, gi), gi, vi);
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(sqrt8(Rsqrt ? SqrtMode::kRsqrtNewton : SqrtMode::kIeee, vi), c.bc2), c.eps);
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(sqrt8(static_cast<SqrtMode>(Sq), vi), c.bc2), c.eps);
     pi = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(c.nss, mi), denom));
     _mm256_storeu_ps(p, pi);
     _mm256_storeu_ps(m, mi);
@@ -97,14 +103,14 @@ MLP_TARGET_AVX2 inline void body8(const AdamScalars& s, const Consts8& c, float*
     if constexpr (O >= 0) store8(out, static_cast<DType>(O), pi);
 }
 
-template <DType G, int O, bool SmallWeight, bool Rsqrt>
+template <DType G, int O, bool SmallWeight, int Sq>
 MLP_TARGET_AVX2 void loop8(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v, const void* g, void* out,
                     std::size_t n) {
     constexpr std::size_t gb = G == DType::kFloat32 ? 4 : 2;
     constexpr std::size_t ob = O == static_cast<int>(DType::kFloat32) ? 4 : 2;
     std::size_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        body8<G, O, SmallWeight, Rsqrt>(s, c, p + i, m + i, v + i, static_cast<const char*>(g) + i * gb,
+        body8<G, O, SmallWeight, Sq>(s, c, p + i, m + i, v + i, static_cast<const char*>(g) + i * gb,
                                         O >= 0 ? static_cast<char*>(out) + i * ob : nullptr);
     }
     if (i < n) {
@@ -115,7 +121,7 @@ MLP_TARGET_AVX2 void loop8(const AdamScalars& s, const Consts8& c, float* p, flo
         std::memcpy(tm, m + i, r * 4);
         std::memcpy(tv, v + i, r * 4);
         std::memcpy(tg, static_cast<const char*>(g) + i * gb, r * gb);
-        body8<G, O, SmallWeight, Rsqrt>(s, c, tp, tm, tv, tg, to);
+        body8<G, O, SmallWeight, Sq>(s, c, tp, tm, tv, tg, to);
         std::memcpy(p + i, tp, r * 4);
         std::memcpy(m + i, tm, r * 4);
         std::memcpy(v + i, tv, r * 4);
@@ -126,13 +132,19 @@ MLP_TARGET_AVX2 void loop8(const AdamScalars& s, const Consts8& c, float* p, flo
 template <DType G, int O>
 MLP_TARGET_AVX2 void dispatch_flags8(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v, const void* g,
                               void* out, std::size_t n, bool small_weight) {
-    const bool rsqrt = s.sqrt_mode == SqrtMode::kRsqrtNewton;
-    if (small_weight) {
-        if (rsqrt) loop8<G, O, true, true>(s, c, p, m, v, g, out, n);
-        else loop8<G, O, true, false>(s, c, p, m, v, g, out, n);
-    } else {
-        if (rsqrt) loop8<G, O, false, true>(s, c, p, m, v, g, out, n);
-        else loop8<G, O, false, false>(s, c, p, m, v, g, out, n);
+    constexpr int kIeee = static_cast<int>(SqrtMode::kIeee);
+    constexpr int kNewton = static_cast<int>(SqrtMode::kRsqrtNewton);
+    constexpr int k14 = static_cast<int>(SqrtMode::kRsqrt14Fma);
+    switch (s.sqrt_mode) {
+        case SqrtMode::kRsqrtNewton:
+            return small_weight ? loop8<G, O, true, kNewton>(s, c, p, m, v, g, out, n)
+                                : loop8<G, O, false, kNewton>(s, c, p, m, v, g, out, n);
+        case SqrtMode::kRsqrt14Fma:
+            return small_weight ? loop8<G, O, true, k14>(s, c, p, m, v, g, out, n)
+                                : loop8<G, O, false, k14>(s, c, p, m, v, g, out, n);
+        default:
+            return small_weight ? loop8<G, O, true, kIeee>(s, c, p, m, v, g, out, n)
+                                : loop8<G, O, false, kIeee>(s, c, p, m, v, g, out, n);
     }
 }
 
