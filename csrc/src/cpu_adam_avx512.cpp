@@ -11,6 +11,7 @@
 #pragma clang fp contract(off)
 #endif
 
+#include <cstdint>
 #include <cstring>
 
 #include "mlp/cpu_adam.h"
@@ -49,13 +50,27 @@ MLP_TARGET_AVX512 inline __m256i to_bf16_16(__m512 x) {
     return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, quiet));
 }
 
-MLP_TARGET_AVX512 inline void store16(void* out, DType dt, __m512 x) {
+// `stream`: non-temporal store (the output is only read later, by the host-to-device copy, so
+// fetching its lines into the cache first would cost a read per write). Needs `out` aligned to
+// the store width.
+MLP_TARGET_AVX512 inline void store16(void* out, DType dt, __m512 x, bool stream) {
     switch (dt) {
-        case DType::kBFloat16: _mm256_storeu_si256(static_cast<__m256i*>(out), to_bf16_16(x)); break;
-        case DType::kFloat16:
-            _mm256_storeu_si256(static_cast<__m256i*>(out), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        case DType::kBFloat16: {
+            const __m256i h = to_bf16_16(x);
+            if (stream) _mm256_stream_si256(static_cast<__m256i*>(out), h);
+            else _mm256_storeu_si256(static_cast<__m256i*>(out), h);
             break;
-        default: _mm512_storeu_ps(out, x); break;
+        }
+        case DType::kFloat16: {
+            const __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            if (stream) _mm256_stream_si256(static_cast<__m256i*>(out), h);
+            else _mm256_storeu_si256(static_cast<__m256i*>(out), h);
+            break;
+        }
+        default:
+            if (stream) _mm512_stream_ps(static_cast<float*>(out), x);
+            else _mm512_storeu_ps(out, x);
+            break;
     }
 }
 
@@ -115,7 +130,7 @@ struct Consts16 {
 
 template <DType G, int O, bool SmallWeight, int Sq>
 MLP_TARGET_AVX512 inline void body16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v,
-                                     const void* g, void* out) {
+                                     const void* g, void* out, bool stream) {
     __m512 gi = load16(g, G);
     if (s.apply_unscale) gi = _mm512_mul_ps(gi, c.inv);
     if (s.apply_clip) gi = _mm512_mul_ps(gi, c.clip);
@@ -131,7 +146,7 @@ MLP_TARGET_AVX512 inline void body16(const AdamScalars& s, const Consts16& c, fl
     _mm512_storeu_ps(p, pi);
     _mm512_storeu_ps(m, mi);
     _mm512_storeu_ps(v, vi);
-    if constexpr (O >= 0) store16(out, static_cast<DType>(O), pi);
+    if constexpr (O >= 0) store16(out, static_cast<DType>(O), pi, stream);
 }
 
 struct StatsAcc16 {
@@ -154,11 +169,14 @@ MLP_TARGET_AVX512 void loop16(const AdamScalars& s, const Consts16& c, float* p,
                     std::size_t n) {
     constexpr std::size_t gb = G == DType::kFloat32 ? 4 : 2;
     constexpr std::size_t ob = O == static_cast<int>(DType::kFloat32) ? 4 : 2;
+    // Every full-vector store lands on a multiple of its width when `out` is 64-byte aligned.
+    const bool stream = O >= 0 && (reinterpret_cast<std::uintptr_t>(out) & 63u) == 0;
     std::size_t i = 0;
     for (; i + 16 <= n; i += 16) {
         body16<G, O, SmallWeight, Sq>(s, c, p + i, m + i, v + i, static_cast<const char*>(g) + i * gb,
-                                        O >= 0 ? static_cast<char*>(out) + i * ob : nullptr);
+                                        O >= 0 ? static_cast<char*>(out) + i * ob : nullptr, stream);
     }
+    if (stream) _mm_sfence();  // order the streamed stores before the caller reads `out`
     if (i < n) {
         const std::size_t r = n - i;
         alignas(64) float tp[16] = {}, tm[16] = {}, tv[16] = {};
@@ -167,7 +185,7 @@ MLP_TARGET_AVX512 void loop16(const AdamScalars& s, const Consts16& c, float* p,
         std::memcpy(tm, m + i, r * 4);
         std::memcpy(tv, v + i, r * 4);
         std::memcpy(tg, static_cast<const char*>(g) + i * gb, r * gb);
-        body16<G, O, SmallWeight, Sq>(s, c, tp, tm, tv, tg, to);
+        body16<G, O, SmallWeight, Sq>(s, c, tp, tm, tv, tg, to, false);
         std::memcpy(p + i, tp, r * 4);
         std::memcpy(m + i, tm, r * 4);
         std::memcpy(v + i, tv, r * 4);
