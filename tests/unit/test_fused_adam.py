@@ -390,3 +390,17 @@ def test_update_matches_torch_when_grad_and_out_dtypes_are_combined(combo):
     p, _, _, out = fused_run(param0, grads, **HYPER[1], out_dtype=out_dtype)
     assert_bitwise_equal(p, rp, "param")
     assert_bitwise_equal(out, rp.to(out_dtype), "param_out")
+
+
+@pytest.mark.parametrize("out_dtype", GRAD_DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_param_out_is_correct_when_output_buffer_is_not_cache_line_aligned(isa, out_dtype):
+    n = 1000
+    param0 = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    grads = make_grads(n, torch.bfloat16, 3, seed=6)
+    buf = torch.full((n + 2,), 7.0, dtype=out_dtype)
+    out = buf[1:n + 1]  # one element past an aligned allocation: regular stores, not streamed
+    p, m, v = param0.clone(), torch.zeros(n), torch.zeros(n)
+    for step, g in enumerate(grads, start=1):
+        fa.fused_adam_step(p, m, v, g, out, step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    assert_bitwise_equal(out, p.to(out_dtype), "param_out")
+    assert buf[0].item() == 7.0 and buf[-1].item() == 7.0, "wrote outside param_out"
