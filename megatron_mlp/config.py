@@ -29,7 +29,7 @@ class MLPOffloadConfig:
     """--mlp-offload-host-cache: bytes of host memory that keep subgroups' p/m/v between steps."""
     prefetch_depth: int = 2
     """--mlp-offload-prefetch-depth: subgroups fetched ahead of the one being updated."""
-    flush_depth: int = 1
+    flush_depth: int = 2
     """--mlp-offload-flush-depth: updated subgroups whose write-back may be in flight at once.
     The host budget is host_cache + (prefetch_depth + flush_depth + 1) subgroup buffers."""
     tokens_per_tier: int = 1

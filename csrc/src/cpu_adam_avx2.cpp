@@ -54,7 +54,32 @@ MLP_TARGET_AVX2 inline void store8(void* out, DType dt, __m256 x) {
     }
 }
 
+// MKL's AVX2 vsSqrt: the Newton steps of the SSE kernel with fused multiply-adds; its fast
+// path covers bits in [0x00800000, 0x7f7fffff], the other lanes get the exact sqrt.
+MLP_TARGET_AVX2 inline __m256 sqrt8_newton_fma(__m256 x) {
+    const __m256 half = _mm256_set1_ps(0.5f);
+    const __m256 y = _mm256_rsqrt_ps(x);
+    const __m256 s = _mm256_mul_ps(y, x);
+    const __m256 h = _mm256_mul_ps(y, half);
+    const __m256 r = _mm256_fnmadd_ps(s, h, half);
+    const __m256 s1 = _mm256_fmadd_ps(r, s, s);
+    const __m256 h1 = _mm256_fmadd_ps(r, h, h);
+    const __m256 d = _mm256_fnmadd_ps(s1, s1, x);
+    const __m256 approx = _mm256_fmadd_ps(h1, d, s1);
+    const __m256i t = _mm256_add_epi32(_mm256_castps_si256(x), _mm256_set1_epi32(0x7f800000));
+    const __m256i special = _mm256_cmpgt_epi32(t, _mm256_set1_epi32(static_cast<int>(0xfeffffffu)));
+    if (__builtin_expect(_mm256_testz_si256(special, special), 1)) return approx;
+    return _mm256_blendv_ps(approx, _mm256_sqrt_ps(x), _mm256_castsi256_ps(special));
+}
+
 MLP_TARGET_AVX2 inline __m256 sqrt8(SqrtMode mode, __m256 x) {
+    if (mode == SqrtMode::kRsqrt14Fma) {  // only on AVX-512 CPUs forced onto this path (tests)
+        alignas(32) float t[8];
+        _mm256_store_ps(t, x);
+        sqrt_rsqrt14_fma_8(t, t);
+        return _mm256_load_ps(t);
+    }
+    if (mode == SqrtMode::kRsqrtNewtonFma) return sqrt8_newton_fma(x);
     if (mode != SqrtMode::kRsqrtNewton) return _mm256_sqrt_ps(x);
     const __m256 half = _mm256_set1_ps(0.5f);
     const __m256 y = _mm256_rsqrt_ps(x);
@@ -76,7 +101,7 @@ struct Consts8 {
     __m256 inv, clip, decay, w, wm1, b2, omb2, bc2, eps, nss;
 };
 
-template <DType G, int O, bool SmallWeight, bool Rsqrt>
+template <DType G, int O, bool SmallWeight, int Sq>
 MLP_TARGET_AVX2 inline void body8(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v,
                                   const void* g, void* out) {
     __m256 gi = load8(g, G);
@@ -89,7 +114,7 @@ MLP_TARGET_AVX2 inline void body8(const AdamScalars& s, const Consts8& c, float*
     mi = SmallWeight ? _mm256_fmadd_ps(c.w, diff, mi) : _mm256_fmadd_ps(c.wm1, diff, gi);
     __m256 vi = _mm256_mul_ps(_mm256_loadu_ps(v), c.b2);
     vi = _mm256_fmadd_ps(_mm256_mul_ps(c.omb2, gi), gi, vi);
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(sqrt8(Rsqrt ? SqrtMode::kRsqrtNewton : SqrtMode::kIeee, vi), c.bc2), c.eps);
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(sqrt8(static_cast<SqrtMode>(Sq), vi), c.bc2), c.eps);
     pi = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(c.nss, mi), denom));
     _mm256_storeu_ps(p, pi);
     _mm256_storeu_ps(m, mi);
@@ -97,14 +122,14 @@ MLP_TARGET_AVX2 inline void body8(const AdamScalars& s, const Consts8& c, float*
     if constexpr (O >= 0) store8(out, static_cast<DType>(O), pi);
 }
 
-template <DType G, int O, bool SmallWeight, bool Rsqrt>
+template <DType G, int O, bool SmallWeight, int Sq>
 MLP_TARGET_AVX2 void loop8(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v, const void* g, void* out,
                     std::size_t n) {
     constexpr std::size_t gb = G == DType::kFloat32 ? 4 : 2;
     constexpr std::size_t ob = O == static_cast<int>(DType::kFloat32) ? 4 : 2;
     std::size_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        body8<G, O, SmallWeight, Rsqrt>(s, c, p + i, m + i, v + i, static_cast<const char*>(g) + i * gb,
+        body8<G, O, SmallWeight, Sq>(s, c, p + i, m + i, v + i, static_cast<const char*>(g) + i * gb,
                                         O >= 0 ? static_cast<char*>(out) + i * ob : nullptr);
     }
     if (i < n) {
@@ -115,7 +140,7 @@ MLP_TARGET_AVX2 void loop8(const AdamScalars& s, const Consts8& c, float* p, flo
         std::memcpy(tm, m + i, r * 4);
         std::memcpy(tv, v + i, r * 4);
         std::memcpy(tg, static_cast<const char*>(g) + i * gb, r * gb);
-        body8<G, O, SmallWeight, Rsqrt>(s, c, tp, tm, tv, tg, to);
+        body8<G, O, SmallWeight, Sq>(s, c, tp, tm, tv, tg, to);
         std::memcpy(p + i, tp, r * 4);
         std::memcpy(m + i, tm, r * 4);
         std::memcpy(v + i, tv, r * 4);
@@ -126,13 +151,23 @@ MLP_TARGET_AVX2 void loop8(const AdamScalars& s, const Consts8& c, float* p, flo
 template <DType G, int O>
 MLP_TARGET_AVX2 void dispatch_flags8(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v, const void* g,
                               void* out, std::size_t n, bool small_weight) {
-    const bool rsqrt = s.sqrt_mode == SqrtMode::kRsqrtNewton;
-    if (small_weight) {
-        if (rsqrt) loop8<G, O, true, true>(s, c, p, m, v, g, out, n);
-        else loop8<G, O, true, false>(s, c, p, m, v, g, out, n);
-    } else {
-        if (rsqrt) loop8<G, O, false, true>(s, c, p, m, v, g, out, n);
-        else loop8<G, O, false, false>(s, c, p, m, v, g, out, n);
+    constexpr int kIeee = static_cast<int>(SqrtMode::kIeee);
+    constexpr int kNewton = static_cast<int>(SqrtMode::kRsqrtNewton);
+    constexpr int k14 = static_cast<int>(SqrtMode::kRsqrt14Fma);
+    constexpr int kNewtonFma = static_cast<int>(SqrtMode::kRsqrtNewtonFma);
+    switch (s.sqrt_mode) {
+        case SqrtMode::kRsqrtNewton:
+            return small_weight ? loop8<G, O, true, kNewton>(s, c, p, m, v, g, out, n)
+                                : loop8<G, O, false, kNewton>(s, c, p, m, v, g, out, n);
+        case SqrtMode::kRsqrt14Fma:
+            return small_weight ? loop8<G, O, true, k14>(s, c, p, m, v, g, out, n)
+                                : loop8<G, O, false, k14>(s, c, p, m, v, g, out, n);
+        case SqrtMode::kRsqrtNewtonFma:
+            return small_weight ? loop8<G, O, true, kNewtonFma>(s, c, p, m, v, g, out, n)
+                                : loop8<G, O, false, kNewtonFma>(s, c, p, m, v, g, out, n);
+        default:
+            return small_weight ? loop8<G, O, true, kIeee>(s, c, p, m, v, g, out, n)
+                                : loop8<G, O, false, kIeee>(s, c, p, m, v, g, out, n);
     }
 }
 
@@ -217,6 +252,10 @@ MLP_TARGET_AVX2 void sqrt_avx2(SqrtMode mode, const float* in, float* out, std::
     }
 }
 
+MLP_TARGET_AVX2 float sqrt_rsqrt_newton_fma_1(float x) {
+    return _mm256_cvtss_f32(sqrt8_newton_fma(_mm256_set1_ps(x)));
+}
+
 }  // namespace detail
 }  // namespace mlp
 
@@ -230,6 +269,7 @@ void adam_avx2(const AdamScalars& s, float* p, float* m, float* v, const void* g
 }
 void stats_avx2(const void* g, DType dt, std::size_t n, GradStats* out) { stats_scalar(g, dt, n, out); }
 void sqrt_avx2(SqrtMode mode, const float* in, float* out, std::size_t n) { sqrt_scalar(mode, in, out, n); }
+float sqrt_rsqrt_newton_fma_1(float x) { return x; }  // never called: the mode is unsupported here
 }  // namespace detail
 }  // namespace mlp
 #endif

@@ -11,6 +11,7 @@
 #pragma clang fp contract(off)
 #endif
 
+#include <cstdint>
 #include <cstring>
 
 #include "mlp/cpu_adam.h"
@@ -18,6 +19,7 @@
 #if defined(__GNUC__) && !defined(__clang__)
 // GCC 12's avx512fintrin.h trips -Wmaybe-uninitialized on its own _mm512_undefined_*() (GCC PR105593).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -48,22 +50,87 @@ MLP_TARGET_AVX512 inline __m256i to_bf16_16(__m512 x) {
     return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, quiet));
 }
 
-MLP_TARGET_AVX512 inline void store16(void* out, DType dt, __m512 x) {
+// `stream`: non-temporal store (the output is only read later, by the host-to-device copy, so
+// fetching its lines into the cache first would cost a read per write). Needs `out` aligned to
+// the store width.
+MLP_TARGET_AVX512 inline void store16(void* out, DType dt, __m512 x, bool stream) {
     switch (dt) {
-        case DType::kBFloat16: _mm256_storeu_si256(static_cast<__m256i*>(out), to_bf16_16(x)); break;
-        case DType::kFloat16:
-            _mm256_storeu_si256(static_cast<__m256i*>(out), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        case DType::kBFloat16: {
+            const __m256i h = to_bf16_16(x);
+            if (stream) _mm256_stream_si256(static_cast<__m256i*>(out), h);
+            else _mm256_storeu_si256(static_cast<__m256i*>(out), h);
             break;
-        default: _mm512_storeu_ps(out, x); break;
+        }
+        case DType::kFloat16: {
+            const __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            if (stream) _mm256_stream_si256(static_cast<__m256i*>(out), h);
+            else _mm256_storeu_si256(static_cast<__m256i*>(out), h);
+            break;
+        }
+        default:
+            if (stream) _mm512_stream_ps(static_cast<float*>(out), x);
+            else _mm512_storeu_ps(out, x);
+            break;
     }
 }
 
-MLP_TARGET_AVX512 inline __m512 sqrt16(SqrtMode mode, __m512 x) {
-    if (mode != SqrtMode::kRsqrtNewton) return _mm512_sqrt_ps(x);
-    const __m512 half = _mm512_set1_ps(0.5f);
+// MKL's AVX-512 vsSqrt: y = rsqrt14(x), s = x*y, h = y/2, sqrt = s + h*(x - s*s) with two fmas;
+// inputs below 2^-78 (y > 2^39) are scaled by 2^78 inside the correction; +-0, +-inf and
+// negatives take the exact sqrt (their IEEE results).
+MLP_TARGET_AVX512 inline __m512 sqrt16_rsqrt14_fma(__m512 x) {
+    const __m512 y = _mm512_rsqrt14_ps(x);
+    const __m512 h = _mm512_mul_ps(y, _mm512_set1_ps(0.5f));
+    const __m512 s = _mm512_mul_ps(y, x);
+    const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_set1_ps(0x1p39f), y, _CMP_LT_OS);
+    __m512 r;
+    if (__builtin_expect(tiny == 0, 1)) {
+        r = _mm512_fmadd_ps(_mm512_fnmadd_ps(s, s, x), h, s);
+    } else {
+        const __m512 xs = _mm512_mask_mul_ps(x, tiny, x, _mm512_set1_ps(0x1p78f));
+        const __m512 ss = _mm512_mask_mul_ps(s, tiny, s, _mm512_set1_ps(0x1p39f));
+        const __m512 hs = _mm512_mask_mul_ps(h, tiny, h, _mm512_set1_ps(0x1p-78f));
+        r = _mm512_fmadd_ps(hs, _mm512_fnmadd_ps(ss, ss, xs), s);
+    }
+    // +-0, +-inf and negative non-NaN lanes (vfpclassps 0x5e in MKL; integer compares need no AVX512DQ)
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+    const __m512i inf = _mm512_set1_epi32(0x7f800000);
+    const __mmask16 special = static_cast<__mmask16>(
+        _mm512_cmpeq_epi32_mask(mag, _mm512_setzero_si512()) | _mm512_cmpeq_epi32_mask(mag, inf) |
+        (_mm512_cmplt_epi32_mask(bits, _mm512_setzero_si512()) & _mm512_cmple_epi32_mask(mag, inf)));
+    if (__builtin_expect(special == 0, 1)) return r;
+    return _mm512_mask_blend_ps(special, r, _mm512_sqrt_ps(x));
+}
+
+MLP_TARGET_AVX512 inline __m512 rsqrt16_sse(__m512 x) {  // vrsqrtps on both halves
     const __m256 ylo = _mm256_rsqrt_ps(_mm512_castps512_ps256(x));
     const __m256 yhi = _mm256_rsqrt_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-    const __m512 y = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(ylo)), _mm256_castps_pd(yhi), 1));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(ylo)), _mm256_castps_pd(yhi), 1));
+}
+
+// MKL's AVX2 vsSqrt (see cpu_adam_avx2.cpp), for AVX-512 CPUs forced to that sqrt (tests).
+MLP_TARGET_AVX512 inline __m512 sqrt16_newton_fma(__m512 x) {
+    const __m512 half = _mm512_set1_ps(0.5f);
+    const __m512 y = rsqrt16_sse(x);
+    const __m512 s = _mm512_mul_ps(y, x);
+    const __m512 h = _mm512_mul_ps(y, half);
+    const __m512 r = _mm512_fnmadd_ps(s, h, half);
+    const __m512 s1 = _mm512_fmadd_ps(r, s, s);
+    const __m512 h1 = _mm512_fmadd_ps(r, h, h);
+    const __m512 d = _mm512_fnmadd_ps(s1, s1, x);
+    const __m512 approx = _mm512_fmadd_ps(h1, d, s1);
+    const __m512i t = _mm512_add_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x7f800000));
+    const __mmask16 special = _mm512_cmpgt_epi32_mask(t, _mm512_set1_epi32(static_cast<int>(0xfeffffffu)));
+    if (__builtin_expect(special == 0, 1)) return approx;
+    return _mm512_mask_blend_ps(special, approx, _mm512_sqrt_ps(x));
+}
+
+MLP_TARGET_AVX512 inline __m512 sqrt16(SqrtMode mode, __m512 x) {
+    if (mode == SqrtMode::kRsqrt14Fma) return sqrt16_rsqrt14_fma(x);
+    if (mode == SqrtMode::kRsqrtNewtonFma) return sqrt16_newton_fma(x);
+    if (mode != SqrtMode::kRsqrtNewton) return _mm512_sqrt_ps(x);
+    const __m512 half = _mm512_set1_ps(0.5f);
+    const __m512 y = rsqrt16_sse(x);
     const __m512 s = _mm512_mul_ps(x, y);
     const __m512 h = _mm512_mul_ps(y, half);
     const __m512 r = _mm512_sub_ps(half, _mm512_mul_ps(s, h));
@@ -83,9 +150,9 @@ struct Consts16 {
     __m512 inv, clip, decay, w, wm1, b2, omb2, bc2, eps, nss;
 };
 
-template <DType G, int O, bool SmallWeight, bool Rsqrt>
+template <DType G, int O, bool SmallWeight, int Sq>
 MLP_TARGET_AVX512 inline void body16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v,
-                                     const void* g, void* out) {
+                                     const void* g, void* out, bool stream) {
     __m512 gi = load16(g, G);
     if (s.apply_unscale) gi = _mm512_mul_ps(gi, c.inv);
     if (s.apply_clip) gi = _mm512_mul_ps(gi, c.clip);
@@ -96,12 +163,12 @@ MLP_TARGET_AVX512 inline void body16(const AdamScalars& s, const Consts16& c, fl
     mi = SmallWeight ? _mm512_fmadd_ps(c.w, diff, mi) : _mm512_fmadd_ps(c.wm1, diff, gi);
     __m512 vi = _mm512_mul_ps(_mm512_loadu_ps(v), c.b2);
     vi = _mm512_fmadd_ps(_mm512_mul_ps(c.omb2, gi), gi, vi);
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(sqrt16(Rsqrt ? SqrtMode::kRsqrtNewton : SqrtMode::kIeee, vi), c.bc2), c.eps);
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(sqrt16(static_cast<SqrtMode>(Sq), vi), c.bc2), c.eps);
     pi = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(c.nss, mi), denom));
     _mm512_storeu_ps(p, pi);
     _mm512_storeu_ps(m, mi);
     _mm512_storeu_ps(v, vi);
-    if constexpr (O >= 0) store16(out, static_cast<DType>(O), pi);
+    if constexpr (O >= 0) store16(out, static_cast<DType>(O), pi, stream);
 }
 
 struct StatsAcc16 {
@@ -119,16 +186,19 @@ MLP_TARGET_AVX512 inline void stats_one16(StatsAcc16& a, __m512 x) {
     a.acc1 = _mm512_fmadd_pd(hi, hi, a.acc1);
 }
 
-template <DType G, int O, bool SmallWeight, bool Rsqrt>
+template <DType G, int O, bool SmallWeight, int Sq>
 MLP_TARGET_AVX512 void loop16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v, const void* g, void* out,
                     std::size_t n) {
     constexpr std::size_t gb = G == DType::kFloat32 ? 4 : 2;
     constexpr std::size_t ob = O == static_cast<int>(DType::kFloat32) ? 4 : 2;
+    // Every full-vector store lands on a multiple of its width when `out` is 64-byte aligned.
+    const bool stream = O >= 0 && (reinterpret_cast<std::uintptr_t>(out) & 63u) == 0;
     std::size_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        body16<G, O, SmallWeight, Rsqrt>(s, c, p + i, m + i, v + i, static_cast<const char*>(g) + i * gb,
-                                        O >= 0 ? static_cast<char*>(out) + i * ob : nullptr);
+        body16<G, O, SmallWeight, Sq>(s, c, p + i, m + i, v + i, static_cast<const char*>(g) + i * gb,
+                                        O >= 0 ? static_cast<char*>(out) + i * ob : nullptr, stream);
     }
+    if (stream) _mm_sfence();  // order the streamed stores before the caller reads `out`
     if (i < n) {
         const std::size_t r = n - i;
         alignas(64) float tp[16] = {}, tm[16] = {}, tv[16] = {};
@@ -137,7 +207,7 @@ MLP_TARGET_AVX512 void loop16(const AdamScalars& s, const Consts16& c, float* p,
         std::memcpy(tm, m + i, r * 4);
         std::memcpy(tv, v + i, r * 4);
         std::memcpy(tg, static_cast<const char*>(g) + i * gb, r * gb);
-        body16<G, O, SmallWeight, Rsqrt>(s, c, tp, tm, tv, tg, to);
+        body16<G, O, SmallWeight, Sq>(s, c, tp, tm, tv, tg, to, false);
         std::memcpy(p + i, tp, r * 4);
         std::memcpy(m + i, tm, r * 4);
         std::memcpy(v + i, tv, r * 4);
@@ -148,13 +218,23 @@ MLP_TARGET_AVX512 void loop16(const AdamScalars& s, const Consts16& c, float* p,
 template <DType G, int O>
 MLP_TARGET_AVX512 void dispatch_flags16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v, const void* g,
                               void* out, std::size_t n, bool small_weight) {
-    const bool rsqrt = s.sqrt_mode == SqrtMode::kRsqrtNewton;
-    if (small_weight) {
-        if (rsqrt) loop16<G, O, true, true>(s, c, p, m, v, g, out, n);
-        else loop16<G, O, true, false>(s, c, p, m, v, g, out, n);
-    } else {
-        if (rsqrt) loop16<G, O, false, true>(s, c, p, m, v, g, out, n);
-        else loop16<G, O, false, false>(s, c, p, m, v, g, out, n);
+    constexpr int kIeee = static_cast<int>(SqrtMode::kIeee);
+    constexpr int kNewton = static_cast<int>(SqrtMode::kRsqrtNewton);
+    constexpr int k14 = static_cast<int>(SqrtMode::kRsqrt14Fma);
+    constexpr int kNewtonFma = static_cast<int>(SqrtMode::kRsqrtNewtonFma);
+    switch (s.sqrt_mode) {
+        case SqrtMode::kRsqrtNewton:
+            return small_weight ? loop16<G, O, true, kNewton>(s, c, p, m, v, g, out, n)
+                                : loop16<G, O, false, kNewton>(s, c, p, m, v, g, out, n);
+        case SqrtMode::kRsqrt14Fma:
+            return small_weight ? loop16<G, O, true, k14>(s, c, p, m, v, g, out, n)
+                                : loop16<G, O, false, k14>(s, c, p, m, v, g, out, n);
+        case SqrtMode::kRsqrtNewtonFma:
+            return small_weight ? loop16<G, O, true, kNewtonFma>(s, c, p, m, v, g, out, n)
+                                : loop16<G, O, false, kNewtonFma>(s, c, p, m, v, g, out, n);
+        default:
+            return small_weight ? loop16<G, O, true, kIeee>(s, c, p, m, v, g, out, n)
+                                : loop16<G, O, false, kIeee>(s, c, p, m, v, g, out, n);
     }
 }
 
@@ -223,6 +303,15 @@ MLP_TARGET_AVX512 void sqrt_avx512(SqrtMode mode, const float* in, float* out, s
     }
 }
 
+MLP_TARGET_AVX512 float sqrt_rsqrt14_fma_1(float x) {
+    return _mm_cvtss_f32(_mm512_castps512_ps128(sqrt16_rsqrt14_fma(_mm512_set1_ps(x))));
+}
+
+MLP_TARGET_AVX512 void sqrt_rsqrt14_fma_8(const float* in, float* out) {
+    const __m512 r = sqrt16_rsqrt14_fma(_mm512_castps256_ps512(_mm256_loadu_ps(in)));
+    _mm256_storeu_ps(out, _mm512_castps512_ps256(r));
+}
+
 }  // namespace detail
 }  // namespace mlp
 
@@ -236,6 +325,8 @@ void adam_avx512(const AdamScalars& s, float* p, float* m, float* v, const void*
 }
 void stats_avx512(const void* g, DType dt, std::size_t n, GradStats* out) { stats_scalar(g, dt, n, out); }
 void sqrt_avx512(SqrtMode mode, const float* in, float* out, std::size_t n) { sqrt_scalar(mode, in, out, n); }
+float sqrt_rsqrt14_fma_1(float x) { return x; }  // never called: the mode is unsupported here
+void sqrt_rsqrt14_fma_8(const float* in, float* out) { for (int i = 0; i < 8; ++i) out[i] = in[i]; }
 }  // namespace detail
 }  // namespace mlp
 #endif

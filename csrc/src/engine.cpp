@@ -91,8 +91,9 @@ Engine::Engine(const EngineOptions& opts) : opts_(opts), t0_(std::chrono::steady
 
     for (int d = 0; d < 2; ++d) {
         const uint64_t rate = d == 0 ? opts_.read_limit_bytes_per_s : opts_.write_limit_bytes_per_s;
-        // 20 ms of credit: enough to keep the queue busy, small against any measured interval.
-        caps_[d] = TokenBucket(rate, std::max<uint64_t>(rate / 50, kAlignment));
+        // At most 50 ms of credit: absorbs a late timer wake-up on a loaded machine, yet stays
+        // small against the second-long transfers a capped tier serves.
+        caps_[d] = TokenBucket(rate, std::max<uint64_t>(rate / 20, kAlignment));
     }
     slots_.resize(opts_.queue_depth);
     bounce_.resize(opts_.queue_depth);
@@ -284,7 +285,8 @@ void Engine::pump_locked() {
             }
         }
         if (completions_.empty()) {
-            if (wait > 0 && throttle_wait_s_ == 0) cv_.notify_one();
+            // Wake the timer when it is idle or sleeping longer than this cap now needs.
+            if (wait > 0 && (throttle_wait_s_ == 0 || wait < throttle_wait_s_)) cv_.notify_one();
             throttle_wait_s_ = wait;
             return;
         }

@@ -32,7 +32,7 @@ from megatron_mlp.errors import ConfigError, TierIOError
 from megatron_mlp.optim.host_pool import HostBufferPool
 from megatron_mlp.optim.placement import assign_subgroups
 from megatron_mlp.optim.schedule import cache_slots, iteration_order, kept_in_cache
-from megatron_mlp.optim.stats import StepStats
+from megatron_mlp.optim.stats import StepStats, TierStepStats
 from megatron_mlp.optim.store import TierStore
 from megatron_mlp.optim.subgroups import STATE_NAMES, Subgroup, SubgroupPlan
 
@@ -150,7 +150,10 @@ class OffloadAdam:
                 raise ValueError(f"params_out: expected a contiguous CPU bf16/fp16/fp32 tensor of {self.numel} "
                                  f"elements, got {params_out.dtype} {tuple(params_out.shape)} on {params_out.device}")
         t_step = time.perf_counter()
-        stats = StepStats(tiers=[s.new_stats() for s in self.stores], host_limit_bytes=self.pool.limit_bytes)
+        # One entry per configured path, in --mlp-offload-paths order (zeros for a path holding none).
+        stats = StepStats(tiers=[self._store_of[t].new_stats() if t in self._store_of
+                                 else TierStepStats(path=spec.path) for t, spec in enumerate(self.config.tiers)],
+                          host_limit_bytes=self.pool.limit_bytes)
         if found_inf:
             stats.skipped = True
             self.last_step_stats = stats.as_dict()
@@ -230,7 +233,9 @@ class OffloadAdam:
             "format": STATE_DICT_FORMAT,
             "numel": self.numel,
             "group_ranges": [list(r) for r in self.plan.group_ranges],
-            "param_groups": [copy.deepcopy(dict(g)) for g in self.param_groups],
+            # Hyper-parameters only: a caller's group may also hold its "params" (model tensors).
+            "param_groups": [copy.deepcopy({k: v for k, v in g.items() if k != "params"})
+                             for g in self.param_groups],
             "steps": [self.state[g]["step"] for g in sorted(self.state)],
             "iteration": self._iteration,
             "state": chunks,
@@ -260,7 +265,7 @@ class OffloadAdam:
         if covered != self.numel:
             raise ValueError(f"load_state_dict: state chunks cover [0, {covered}) of [0, {self.numel})")
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            group.update(copy.deepcopy(saved))
+            group.update(copy.deepcopy({k: v for k, v in saved.items() if k != "params"}))
         for g, step in enumerate(state_dict["steps"]):
             self.state[g]["step"] = int(step)
         self._iteration = int(state_dict.get("iteration", 0))
@@ -273,8 +278,10 @@ class OffloadAdam:
         if self._closed:
             return
         self._closed = True
-        self._resident.clear()
         self._finalizer()
+        self._resident.clear()
+        self.pool.trim()          # give the host memory back now, not at garbage collection
+        self._upcast_buffer = None
 
     def __enter__(self):
         return self
@@ -287,7 +294,10 @@ class OffloadAdam:
     def _run_pipeline(self, order, keep, grads, params_out, hyper, inv_loss_scale, clip_coef,
                       on_subgroup_done, stats):
         plan, pool, resident = self.plan, self.pool, self._resident
-        depth = self.config.prefetch_depth + 1      # fetched-or-fetching subgroups not yet computed
+        # Fetches in flight at once. Completed fetches waiting for the kernel do not count: the pool
+        # (cache + prefetch + flush + 1 buffers) bounds the memory, and letting each tier's lane
+        # run ahead as far as the budget allows keeps every tier busy.
+        depth = self.config.prefetch_depth + 1
         max_flushes = self.config.flush_depth
         remaining = list(order)
         fetching: dict[int, tuple] = {}              # idx -> (future, buffer)
@@ -300,7 +310,7 @@ class OffloadAdam:
                 # Issue fetches within the prefetch window and the buffer budget. Prefer the next
                 # subgroup whose tier is not waiting for its node token (another rank holds it):
                 # the order of independent subgroups does not change the result.
-                while to_fetch and len(fetching) < depth:
+                while to_fetch and self._in_flight(fetching) < depth + self._stalled(fetching):
                     idx = self._next_fetch(to_fetch, keep)
                     buf = pool.try_acquire()
                     if buf is None:
@@ -314,7 +324,9 @@ class OffloadAdam:
                     t0 = time.perf_counter()
                     waitables = [f for f, _ in fetching.values()] + list(flushing)
                     if waitables:
-                        wait_futures(waitables, return_when=FIRST_COMPLETED)
+                        # Wake up now and then: a tier may have become token-busy meanwhile,
+                        # which lets another tier's subgroup be fetched (see _stalled).
+                        wait_futures(waitables, timeout=0.01, return_when=FIRST_COMPLETED)
                         self._reap(flushing, errors, block=False)
                     else:
                         # Only retained (failed-flush) buffers hold the pool: go over budget rather than stall.
@@ -365,6 +377,16 @@ class OffloadAdam:
                 self._reap(flushing, errors, block=True)
             stats.drain_s = time.perf_counter() - t0
         return errors
+
+    @staticmethod
+    def _in_flight(fetching) -> int:
+        return sum(1 for fut, _ in fetching.values() if not fut.done())
+
+    def _stalled(self, fetching) -> int:
+        """Fetches waiting for a token another rank holds: they do not count against the prefetch
+        window (the pool still bounds the memory), so the pipeline can work on other tiers."""
+        return sum(1 for idx, (fut, _) in fetching.items()
+                   if not fut.done() and self._store_of[self.tier_of[idx]].token_busy)
 
     def _next_fetch(self, to_fetch, keep):
         """The next subgroup to fetch: the first in order, unless its tier's token is busy and a
@@ -577,5 +599,5 @@ def _default_token_factory(config):
         if not config.use_tokens:
             return None
         from megatron_mlp.tier import TierToken
-        return TierToken(spec.path, slots=config.tokens_per_tier)
+        return TierToken(spec.path, slots=config.tokens_per_tier, runtime_dir=config.runtime_dir)
     return make

@@ -20,7 +20,7 @@ import os
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from megatron_mlp.errors import IntegrityError, TierCapacityError, TierIOError
@@ -66,6 +66,7 @@ class TierStore:
     write_handle: object = None   # bandwidth cap never holds up a write (and vice versa)
     stats: TierStepStats | None = None
     _read_lane: ThreadPoolExecutor | None = None
+    _cpu: ThreadPoolExecutor | None = None
     _write_lane: ThreadPoolExecutor | None = None
     token_busy: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -115,6 +116,7 @@ class TierStore:
                     handle=handle, token=token_factory(spec), checksum=checksum, split_lanes=split,
                     records=records, write_engine=write_engine, write_handle=write_handle)
         store._read_lane = ThreadPoolExecutor(1, thread_name_prefix=f"mlp-tier{index}-io")
+        store._cpu = ThreadPoolExecutor(1, thread_name_prefix=f"mlp-tier{index}-crc")
         store._write_lane = (ThreadPoolExecutor(1, thread_name_prefix=f"mlp-tier{index}-wr")
                              if split else store._read_lane)
         store.stats = TierStepStats(path=spec.path)
@@ -122,12 +124,34 @@ class TierStore:
 
     # -- asynchronous region I/O (run on the lane threads) -------------------------------------
 
-    def fetch(self, sg: Subgroup, buffer):
-        """Read the good copy of ``sg`` into ``buffer`` and verify it; returns a Future."""
-        return self._read_lane.submit(self._fetch, sg, buffer)
+    def fetch(self, sg: Subgroup, buffer) -> Future:
+        """Read the good copy of ``sg`` into ``buffer`` and verify it; returns a Future.
 
-    def flush(self, sg: Subgroup, buffer):
-        """Write ``buffer`` to the free slot of ``sg``, then switch the record; returns a Future."""
+        The lane only reads; the crc32c runs on this tier's checksum thread, so the lane starts
+        its next request while the previous region is being verified.
+        """
+        done: Future = Future()
+
+        def read():
+            try:
+                rec = self._read(sg, buffer)
+            except BaseException as e:  # noqa: BLE001 -- delivered through the future
+                done.set_exception(e)
+                return
+            if not self.checksum or rec[2] is None:
+                done.set_result(None)
+                return
+            self._cpu.submit(self._verify, sg, buffer, rec, done)
+
+        self._read_lane.submit(read)
+        return done
+
+    def flush(self, sg: Subgroup, buffer) -> Future:
+        """Write ``buffer`` to the free slot of ``sg``, then switch the record; returns a Future.
+
+        The crc32c of the region is computed on the checksum thread while the write runs (the
+        buffer does not change during a flush); the record switches when both are done.
+        """
         return self._write_lane.submit(self._flush, sg, buffer)
 
     def read_now(self, sg: Subgroup, buffer) -> None:
@@ -168,38 +192,42 @@ class TierStore:
                 if self._token_users == 0:
                     self.token.release()
 
-    def _fetch(self, sg: Subgroup, buffer) -> None:
+    def _read(self, sg: Subgroup, buffer):
         rec = self.records[sg.index]
         if rec.current is None:
             raise AssertionError(f"subgroup {sg.index} was never written to {self.file_path}")
+        snapshot = (rec.current, rec.offsets[rec.current], rec.crc, rec.generation)
         region = self._region(sg, buffer)
-        offset = rec.offsets[rec.current]
 
         def read():
             t0 = time.perf_counter()
-            self.engine.read(self.handle, region, offset).wait()
+            self.engine.read(self.handle, region, snapshot[1]).wait()
             self.stats.add(fetch_s=time.perf_counter() - t0, bytes_read=sg.region_bytes, fetches=1)
 
         self._with_token(read)
-        if self.checksum and rec.crc is not None:
+        return snapshot
+
+    def _verify(self, sg: Subgroup, buffer, snapshot, done: Future) -> None:
+        slot, offset, want, generation = snapshot
+        try:
             t0 = time.perf_counter()
-            got = _crc32c(region)
+            got = _crc32c(self._region(sg, buffer))
             self.stats.add(checksum_s=time.perf_counter() - t0)
-            if got != rec.crc:
+            if got != want:
                 raise IntegrityError(
                     f"checksum mismatch reading subgroup {sg.index} (elements [{sg.start}, {sg.end})) "
-                    f"from tier {self.path}, file {self.file_path}, slot {rec.current} at offset {offset}, "
-                    f"{sg.region_bytes} bytes, generation {rec.generation}: crc32c {got:#010x} != expected "
-                    f"{rec.crc:#010x}; the data on storage is corrupt")
+                    f"from tier {self.path}, file {self.file_path}, slot {slot} at offset {offset}, "
+                    f"{sg.region_bytes} bytes, generation {generation}: crc32c {got:#010x} != expected "
+                    f"{want:#010x}; the data on storage is corrupt")
+        except BaseException as e:  # noqa: BLE001 -- delivered through the future
+            done.set_exception(e)
+        else:
+            done.set_result(None)
 
     def _flush(self, sg: Subgroup, buffer) -> None:
         rec = self.records[sg.index]
         region = self._region(sg, buffer)
-        crc = None
-        if self.checksum:
-            t0 = time.perf_counter()
-            crc = _crc32c(region)
-            self.stats.add(checksum_s=time.perf_counter() - t0)
+        crc_future = self._cpu.submit(self._timed_crc, region) if self.checksum else None
         slot = rec.next_slot
         offset = rec.offsets[slot]
 
@@ -208,10 +236,19 @@ class TierStore:
             self.write_engine.write(self.write_handle, region, offset).wait()
             self.stats.add(flush_s=time.perf_counter() - t0, bytes_written=sg.region_bytes, flushes=1)
 
-        self._with_token(write)
+        try:
+            self._with_token(write)
+        finally:
+            crc = crc_future.result() if crc_future is not None else None
         with self._lock:
             # Switch only now: the old slot stayed the good copy until the new one was complete.
             rec.current, rec.crc, rec.generation = slot, crc, rec.generation + 1
+
+    def _timed_crc(self, region) -> int:
+        t0 = time.perf_counter()
+        crc = _crc32c(region)
+        self.stats.add(checksum_s=time.perf_counter() - t0)
+        return crc
 
     # -- lifetime ---------------------------------------------------------------------------------
 
@@ -225,6 +262,9 @@ class TierStore:
             if lane is not None:
                 lane.shutdown(wait=True)
         self._read_lane = self._write_lane = None
+        if self._cpu is not None:
+            self._cpu.shutdown(wait=True)
+            self._cpu = None
         try:
             for handle in {id(self.handle): self.handle, id(self.write_handle): self.write_handle}.values():
                 handle.close()

@@ -202,10 +202,14 @@ TEST(destroying_an_engine_with_io_in_flight_is_clean) {
 TEST(token_bucket_paces_to_its_rate) {
     TokenBucket tb(1000, 100);
     CHECK(!TokenBucket().enabled());
-    CHECK(tb.try_consume(0.0, 500) == 0);      // credit of 100 allows a start, balance -400
+    CHECK(tb.try_consume(0.0, 500) == 0);      // a zero balance allows a start: balance -500
     const double w = tb.try_consume(0.0, 500);
-    CHECK(w > 0.39 && w < 0.41);
-    CHECK(tb.try_consume(0.41, 500) == 0);
+    CHECK(w > 0.49 && w < 0.51);
+    CHECK(tb.try_consume(0.51, 500) == 0);     // balance +10 -> -490
+    CHECK(tb.try_consume(100.0, 50) == 0);     // idle: credit capped at the burst of 100 -> +50
+    CHECK(tb.try_consume(100.0, 50) == 0);     // +50 -> 0
+    CHECK(tb.try_consume(100.0, 1) == 0);      // 0 -> -1
+    CHECK(tb.try_consume(100.0, 1) > 0);
     // over a long run the consumed bytes track the rate
     TokenBucket t2(1 << 20, 4096);
     double now = 0;

@@ -238,3 +238,40 @@ def test_bad_gradient_is_rejected_naming_what_was_expected(tier_dirs):
             opt.step(torch.zeros(N - 1, dtype=torch.bfloat16))
         with pytest.raises(ValueError, match="grads: expected"):
             opt.step(torch.zeros(N, dtype=torch.int32))
+
+
+def test_subgroups_of_a_free_tier_go_first_when_another_rank_holds_a_tiers_token(tier_dirs, tmp_path):
+    import threading
+
+    from megatron_mlp.tier import TierToken
+
+    opt, ref = make(tier_dirs, 2, qos_last=True, subgroup_params=1000, use_tokens=True,
+                    runtime_dir=str(tmp_path), host_cache_bytes=0, prefetch_depth=1)
+    with opt:
+        busy_tier = opt.tier_of[0]                       # the tier of the first subgroup in order
+        other = TierToken(opt.config.tiers[busy_tier].path, runtime_dir=str(tmp_path))
+        assert other.try_acquire()                       # "another rank" holds it
+        timer = threading.Timer(0.5, other.release)
+        timer.start()
+        done = []
+        g = grads_for(0, torch.bfloat16)
+        try:
+            opt.step(g, on_subgroup_done=lambda a, b: done.append(a))
+        finally:
+            timer.join()
+        ref.step(g)
+        first_tiers = [opt.tier_of[opt.plan.overlapping(a, a + 1)[0].index] for a in done]
+        assert first_tiers[0] != busy_tier, "the compute thread waited for the busy tier"
+        stats = opt.last_step_stats["tiers"]
+        busy = [t for t in stats if t["path"] == opt.config.tiers[busy_tier].path][0]
+        assert busy["token_wait_s"] > 0.2
+        assert_state_equal(opt, ref)
+
+
+def test_step_stats_list_every_configured_path_in_order_when_one_holds_nothing(tier_dirs):
+    opt, _ = make(tier_dirs, 3, subgroup_params=1000, multipath=False)
+    with opt:
+        opt.step(grads_for(0, torch.bfloat16))
+        tiers = opt.last_step_stats["tiers"]
+        assert [t["path"] for t in tiers] == list(tier_dirs[:3])
+        assert tiers[0]["bytes_read"] > 0 and tiers[1]["bytes_read"] == tiers[2]["bytes_read"] == 0
