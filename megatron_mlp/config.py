@@ -29,6 +29,9 @@ class MLPOffloadConfig:
     """--mlp-offload-host-cache: bytes of host memory that keep subgroups' p/m/v between steps."""
     prefetch_depth: int = 2
     """--mlp-offload-prefetch-depth: subgroups fetched ahead of the one being updated."""
+    flush_depth: int = 1
+    """--mlp-offload-flush-depth: updated subgroups whose write-back may be in flight at once.
+    The host budget is host_cache + (prefetch_depth + flush_depth + 1) subgroup buffers."""
     tokens_per_tier: int = 1
     """--mlp-offload-tokens-per-tier: processes of a node doing I/O on one tier at a time."""
     order: str = "alternate"
@@ -65,6 +68,7 @@ class MLPOffloadConfig:
         _positive("--mlp-offload-subgroup-size", self.subgroup_params)
         _non_negative("--mlp-offload-host-cache", self.host_cache_bytes)
         _non_negative("--mlp-offload-prefetch-depth", self.prefetch_depth)
+        _positive("--mlp-offload-flush-depth", self.flush_depth)
         _positive("--mlp-offload-tokens-per-tier", self.tokens_per_tier)
         _positive("--mlp-offload-io-queue-depth", self.queue_depth)
         _positive("--mlp-offload-io-threads", self.io_threads)

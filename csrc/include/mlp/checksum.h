@@ -1,0 +1,21 @@
+// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), as used by iSCSI, ext4 and RocksDB:
+// crc32c("123456789") == 0xE3069283. Verifies every subgroup read back from a storage tier.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace mlp {
+
+enum class Crc32cImpl : int { kAuto = 0, kSse42 = 1, kSoftware = 2 };
+
+// Whether this CPU has the SSE4.2 crc32 instruction.
+bool crc32c_hw_supported();
+
+// CRC-32C of `nbytes` bytes at `data`, continuing from `seed` (the CRC of the preceding bytes;
+// 0 for a fresh start), so crc32c(b, crc32c(a)) == crc32c(a + b). kAuto picks SSE4.2 when present.
+// kSse42 on a CPU without it falls back to software.
+std::uint32_t crc32c(const void* data, std::size_t nbytes, std::uint32_t seed = 0,
+                     Crc32cImpl impl = Crc32cImpl::kAuto);
+
+}  // namespace mlp

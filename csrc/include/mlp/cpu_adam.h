@@ -1,0 +1,187 @@
+// Fused CPU AdamW over one subgroup: low-precision gradients are upcast in registers.
+//
+// The update reproduces torch.optim.AdamW's single-tensor CPU path bit for bit (fp32 state),
+// applied to float(grad) * inv_loss_scale * clip_coef (two fp32 roundings, as Megatron unscales
+// and then clips). The op sequence and its roundings are those of ATen's CPU kernels:
+//   g  = float(grad); g = g * f32(inv_loss_scale); g = g * f32(clip_coef)   (each skipped when == 1)
+//   p  = p * f32(1 - lr*wd)                                  (skipped when wd == 0)
+//   m  = lerp(m, g, w),  w = f32(1 - beta1):  w < 0.5 ? fma(w, g-m, m) : fma(w-1, g-m, g)
+//   v  = v * f32(beta2);  v = fma(f32(1-beta2) * g, g, v)    (addcmul, contracted in ATen)
+//   d  = sqrt(v) / f32(sqrt(1 - beta2^step)) + f32(eps)
+//   p  = p + (f32(-lr / (1 - beta1^step)) * m) / d           (addcdiv)
+// Bias corrections are computed in double exactly as torch's Python code does.
+// `sqrt` is either correctly rounded (SqrtMode::kIeee) or the rsqrt + Newton sequence of MKL's
+// generic SSE vsSqrt kernel (SqrtMode::kRsqrtNewton), which is what torch built with MKL computes
+// for Tensor.sqrt() on CPUs where MKL does not take its Intel-specific paths (e.g. AMD EPYC).
+// The Python layer detects which one the installed torch uses.
+//
+// No libtorch, no libpython: raw pointers, element counts and a dtype enum. The hot path returns
+// -errno and never throws.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace mlp {
+
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+enum class SqrtMode : int { kIeee = 0, kRsqrtNewton = 1 };
+
+const char* isa_name(Isa isa);
+const char* dtype_name(DType dt);
+std::size_t dtype_bytes(DType dt);
+// Whether this CPU (and this build) can run `isa`.
+bool isa_supported(Isa isa);
+// The fastest supported ISA.
+Isa best_isa();
+
+// Hyper-parameters of one step, as the caller (torch's param_groups) holds them.
+struct AdamHyper {
+    double lr = 1e-3;
+    double beta1 = 0.9;
+    double beta2 = 0.999;
+    double eps = 1e-8;
+    double weight_decay = 0.0;
+    std::int64_t step = 1;  // 1-based step count after increment, as torch's state["step"]
+    double inv_loss_scale = 1.0;
+    double clip_coef = 1.0;
+};
+
+// The fp32 constants the kernel uses, derived from AdamHyper with torch's double arithmetic.
+struct AdamScalars {
+    float inv_loss_scale;
+    float clip_coef;
+    float decay;             // f32(1 - lr*wd)
+    float lerp_weight;       // f32(1 - beta1)
+    float beta2;             // f32(beta2)
+    float one_minus_beta2;   // f32(1 - beta2)
+    float bc2_sqrt;          // f32(sqrt(1 - beta2^step))
+    float eps;               // f32(eps)
+    float neg_step_size;     // f32(-(lr / (1 - beta1^step)))
+    bool apply_unscale;      // inv_loss_scale != 1
+    bool apply_clip;         // clip_coef != 1
+    bool apply_decay;        // weight_decay != 0
+    SqrtMode sqrt_mode;
+};
+
+// Returns 0, or -EINVAL when the hyper-parameters cannot be used (step < 1, non-finite values).
+int make_adam_scalars(const AdamHyper& h, SqrtMode mode, AdamScalars* out);
+
+// One thread's share: elements [0, n) of the given arrays. `out` may be null.
+// Returns 0 or -EINVAL (unknown dtype / unsupported isa).
+int adam_update_range(Isa isa, const AdamScalars& s, float* param, float* exp_avg, float* exp_avg_sq,
+                      const void* grad, DType grad_dtype, void* out, DType out_dtype, std::size_t n);
+
+// Partial gradient statistics of one range: sum of squares (double) and non-finite detection.
+struct GradStats {
+    double sum_of_squares = 0.0;
+    bool found_nonfinite = false;
+};
+int grad_stats_range(Isa isa, const void* grad, DType dtype, std::size_t n, GradStats* out);
+
+// sqrt of n floats with the kernel's sqrt (for detecting which sqrt the installed torch uses).
+int sqrt_range(Isa isa, SqrtMode mode, const float* in, float* out, std::size_t n);
+
+// A small persistent pool: `run(k, fn)` calls fn(0..k-1) with the calling thread taking index 0,
+// and returns when all calls returned. Not re-entrant; one run at a time (guarded by a mutex).
+class WorkerPool {
+public:
+    explicit WorkerPool(int num_threads);  // total threads including the caller, >= 1
+    ~WorkerPool();
+    WorkerPool(const WorkerPool&) = delete;
+    WorkerPool& operator=(const WorkerPool&) = delete;
+
+    int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
+    void run(int num_tasks, const std::function<void(int)>& fn);
+
+private:
+    void worker_loop(int index);
+
+    std::vector<std::thread> workers_;
+    std::mutex run_mutex_;  // serialises run()
+    std::mutex mutex_;
+    std::condition_variable start_cv_;
+    std::condition_variable done_cv_;
+    const std::function<void(int)>* task_ = nullptr;
+    int num_tasks_ = 0;
+    std::uint64_t generation_ = 0;
+    int pending_ = 0;
+    bool stopping_ = false;
+};
+
+// Owns the worker pool and the selected kernel paths. Move-only by construction (owns threads).
+class CpuAdam {
+public:
+    // num_threads <= 0: all CPUs this process may run on.
+    explicit CpuAdam(int num_threads = 0);
+
+    int num_threads() const { return pool_.num_threads(); }
+    Isa isa() const { return isa_; }
+    // Returns -ENOTSUP when this CPU cannot run `isa`.
+    int set_isa(Isa isa);
+    SqrtMode sqrt_mode() const { return sqrt_mode_; }
+    void set_sqrt_mode(SqrtMode mode) { sqrt_mode_ = mode; }
+
+    // Updates param/exp_avg/exp_avg_sq (fp32, n elements) in place from grad; writes the new
+    // params converted to out_dtype into `out` when it is not null. num_threads <= 0: all.
+    // Returns 0 or -EINVAL.
+    int step(const AdamHyper& hyper, float* param, float* exp_avg, float* exp_avg_sq, const void* grad,
+             DType grad_dtype, void* out, DType out_dtype, std::size_t n, int num_threads = 0);
+
+    int grad_stats(const void* grad, DType dtype, std::size_t n, GradStats* out, int num_threads = 0);
+
+private:
+    // Splits [0, n) into at most `want` pieces whose boundaries are multiples of kChunkElems, so
+    // no two threads write the same cache line of any array.
+    int plan_tasks(std::size_t n, int want) const;
+
+    WorkerPool pool_;
+    Isa isa_;
+    SqrtMode sqrt_mode_ = SqrtMode::kIeee;
+};
+
+// Boundary granularity of the per-thread partition: 64 elements = 256 bytes of fp32 state and
+// 128 bytes of 16-bit data, whole cache lines for every array when the arrays are 64-byte aligned.
+constexpr std::size_t kChunkElems = 64;
+// Below this many elements per extra thread, waking a worker costs more than it saves.
+constexpr std::size_t kMinElemsPerThread = 1 << 15;
+
+namespace detail {
+// Per-ISA kernels (defined in cpu_adam_<isa>.cpp, compiled with function-level target attributes).
+void adam_scalar(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt, void* out,
+                 DType odt, std::size_t n);
+void adam_avx2(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt, void* out,
+               DType odt, std::size_t n);
+void adam_avx512(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt, void* out,
+                 DType odt, std::size_t n);
+void stats_scalar(const void* g, DType dt, std::size_t n, GradStats* out);
+void stats_avx2(const void* g, DType dt, std::size_t n, GradStats* out);
+void stats_avx512(const void* g, DType dt, std::size_t n, GradStats* out);
+void sqrt_scalar(SqrtMode mode, const float* in, float* out, std::size_t n);
+void sqrt_avx2(SqrtMode mode, const float* in, float* out, std::size_t n);
+void sqrt_avx512(SqrtMode mode, const float* in, float* out, std::size_t n);
+
+// Bit conversions shared by all paths (scalar definitions; SIMD paths reproduce them exactly).
+inline float bf16_to_f32(std::uint16_t h) {
+    std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+inline std::uint16_t f32_to_bf16(float f) {
+    std::uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x0040u);  // quiet NaN
+    return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
+}
+float f16_to_f32(std::uint16_t h);
+std::uint16_t f32_to_f16(float f);  // round to nearest even, overflow to inf, NaN kept quiet
+}  // namespace detail
+
+}  // namespace mlp

@@ -1,0 +1,269 @@
+// Dispatch, hyper-parameter preparation, the worker pool and the CpuAdam object.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")  // 1 - lr*wd etc. must round exactly as Python does
+#endif
+
+#include "mlp/cpu_adam.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+
+namespace mlp {
+
+const char* isa_name(Isa isa) {
+    switch (isa) {
+        case Isa::kAvx512: return "avx512";
+        case Isa::kAvx2: return "avx2";
+        default: return "scalar";
+    }
+}
+
+const char* dtype_name(DType dt) {
+    switch (dt) {
+        case DType::kBFloat16: return "bfloat16";
+        case DType::kFloat16: return "float16";
+        default: return "float32";
+    }
+}
+
+std::size_t dtype_bytes(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
+
+bool isa_supported(Isa isa) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    switch (isa) {
+        case Isa::kScalar: return true;
+        case Isa::kAvx2:
+            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                   __builtin_cpu_supports("f16c");
+        case Isa::kAvx512:
+            return isa_supported(Isa::kAvx2) && __builtin_cpu_supports("avx512f") &&
+                   __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    }
+    return false;
+#else
+    return isa == Isa::kScalar;
+#endif
+}
+
+Isa best_isa() {
+    if (isa_supported(Isa::kAvx512)) return Isa::kAvx512;
+    if (isa_supported(Isa::kAvx2)) return Isa::kAvx2;
+    return Isa::kScalar;
+}
+
+int make_adam_scalars(const AdamHyper& h, SqrtMode mode, AdamScalars* out) {
+    if (h.step < 1) return -EINVAL;
+    for (double x : {h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.inv_loss_scale, h.clip_coef})
+        if (!std::isfinite(x)) return -EINVAL;
+    // Same double arithmetic as torch.optim.adam._single_tensor_adam (Python floats; ** is pow()).
+    const double step = static_cast<double>(h.step);
+    const double bias_correction1 = 1.0 - std::pow(h.beta1, step);
+    const double bias_correction2 = 1.0 - std::pow(h.beta2, step);
+    const double step_size = h.lr / bias_correction1;
+    const double bias_correction2_sqrt = std::pow(bias_correction2, 0.5);
+    const double decay = 1.0 - h.lr * h.weight_decay;
+    out->inv_loss_scale = static_cast<float>(h.inv_loss_scale);
+    out->clip_coef = static_cast<float>(h.clip_coef);
+    out->decay = static_cast<float>(decay);
+    out->lerp_weight = static_cast<float>(1.0 - h.beta1);
+    out->beta2 = static_cast<float>(h.beta2);
+    out->one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+    out->bc2_sqrt = static_cast<float>(bias_correction2_sqrt);
+    out->eps = static_cast<float>(h.eps);
+    out->neg_step_size = static_cast<float>(-step_size);
+    out->apply_unscale = h.inv_loss_scale != 1.0;
+    out->apply_clip = h.clip_coef != 1.0;
+    out->apply_decay = h.weight_decay != 0.0;
+    out->sqrt_mode = mode;
+    return 0;
+}
+
+static bool valid_dtype(DType dt) {
+    return dt == DType::kFloat32 || dt == DType::kBFloat16 || dt == DType::kFloat16;
+}
+
+int adam_update_range(Isa isa, const AdamScalars& s, float* param, float* exp_avg, float* exp_avg_sq,
+                      const void* grad, DType grad_dtype, void* out, DType out_dtype, std::size_t n) {
+    if (!valid_dtype(grad_dtype) || !valid_dtype(out_dtype) || !isa_supported(isa)) return -EINVAL;
+    if (n == 0) return 0;
+    if (!param || !exp_avg || !exp_avg_sq || !grad) return -EINVAL;
+    switch (isa) {
+        case Isa::kAvx512:
+            detail::adam_avx512(s, param, exp_avg, exp_avg_sq, grad, grad_dtype, out, out_dtype, n);
+            break;
+        case Isa::kAvx2:
+            detail::adam_avx2(s, param, exp_avg, exp_avg_sq, grad, grad_dtype, out, out_dtype, n);
+            break;
+        default:
+            detail::adam_scalar(s, param, exp_avg, exp_avg_sq, grad, grad_dtype, out, out_dtype, n);
+            break;
+    }
+    return 0;
+}
+
+int grad_stats_range(Isa isa, const void* grad, DType dtype, std::size_t n, GradStats* out) {
+    if (!valid_dtype(dtype) || !isa_supported(isa) || !out) return -EINVAL;
+    *out = GradStats{};
+    if (n == 0) return 0;
+    if (!grad) return -EINVAL;
+    switch (isa) {
+        case Isa::kAvx512: detail::stats_avx512(grad, dtype, n, out); break;
+        case Isa::kAvx2: detail::stats_avx2(grad, dtype, n, out); break;
+        default: detail::stats_scalar(grad, dtype, n, out); break;
+    }
+    return 0;
+}
+
+int sqrt_range(Isa isa, SqrtMode mode, const float* in, float* out, std::size_t n) {
+    if (!isa_supported(isa)) return -EINVAL;
+    if (n == 0) return 0;
+    if (!in || !out) return -EINVAL;
+    switch (isa) {
+        case Isa::kAvx512: detail::sqrt_avx512(mode, in, out, n); break;
+        case Isa::kAvx2: detail::sqrt_avx2(mode, in, out, n); break;
+        default: detail::sqrt_scalar(mode, in, out, n); break;
+    }
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+WorkerPool::WorkerPool(int num_threads) {
+    const int extra = std::max(1, num_threads) - 1;
+    workers_.reserve(static_cast<std::size_t>(extra));
+    for (int i = 0; i < extra; ++i) workers_.emplace_back([this, i] { worker_loop(i + 1); });
+}
+
+WorkerPool::~WorkerPool() {
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        stopping_ = true;
+    }
+    start_cv_.notify_all();
+    for (auto& t : workers_) t.join();
+}
+
+void WorkerPool::worker_loop(int index) {
+    std::uint64_t seen = 0;
+    for (;;) {
+        const std::function<void(int)>* task;
+        {
+            std::unique_lock<std::mutex> lock(mutex_);
+            start_cv_.wait(lock, [&] { return stopping_ || generation_ != seen; });
+            if (stopping_) return;
+            seen = generation_;
+            if (index >= num_tasks_) continue;  // not needed this round
+            task = task_;
+        }
+        (*task)(index);
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            if (--pending_ == 0) done_cv_.notify_one();
+        }
+    }
+}
+
+void WorkerPool::run(int num_tasks, const std::function<void(int)>& fn) {
+    num_tasks = std::min(num_tasks, num_threads());
+    if (num_tasks <= 1) {
+        if (num_tasks == 1) fn(0);
+        return;
+    }
+    std::lock_guard<std::mutex> run_lock(run_mutex_);
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        task_ = &fn;
+        num_tasks_ = num_tasks;
+        pending_ = num_tasks - 1;
+        ++generation_;
+    }
+    start_cv_.notify_all();
+    fn(0);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_cv_.wait(lock, [&] { return pending_ == 0; });
+    task_ = nullptr;
+}
+
+// ---------------------------------------------------------------------------------------------
+static int available_cpus() {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+        const int c = CPU_COUNT(&set);
+        if (c > 0) return c;
+    }
+    const unsigned hc = std::thread::hardware_concurrency();
+    return hc ? static_cast<int>(hc) : 1;
+}
+
+CpuAdam::CpuAdam(int num_threads) : pool_(num_threads > 0 ? num_threads : available_cpus()), isa_(best_isa()) {}
+
+int CpuAdam::set_isa(Isa isa) {
+    if (!isa_supported(isa)) return -ENOTSUP;
+    isa_ = isa;
+    return 0;
+}
+
+int CpuAdam::plan_tasks(std::size_t n, int want) const {
+    int k = want > 0 ? std::min(want, num_threads()) : num_threads();
+    const std::size_t by_size = n / kMinElemsPerThread;
+    if (by_size < static_cast<std::size_t>(k)) k = static_cast<int>(std::max<std::size_t>(1, by_size));
+    return k;
+}
+
+// Piece t of [0, n) split in k pieces at multiples of kChunkElems.
+static void piece(std::size_t n, int k, int t, std::size_t* begin, std::size_t* end) {
+    const std::size_t chunks = (n + kChunkElems - 1) / kChunkElems;
+    const std::size_t per = chunks / static_cast<std::size_t>(k);
+    const std::size_t extra = chunks % static_cast<std::size_t>(k);
+    const std::size_t tt = static_cast<std::size_t>(t);
+    const std::size_t c0 = tt * per + std::min(tt, extra);
+    const std::size_t c1 = c0 + per + (tt < extra ? 1 : 0);
+    *begin = std::min(n, c0 * kChunkElems);
+    *end = std::min(n, c1 * kChunkElems);
+}
+
+int CpuAdam::step(const AdamHyper& hyper, float* param, float* exp_avg, float* exp_avg_sq, const void* grad,
+                  DType grad_dtype, void* out, DType out_dtype, std::size_t n, int num_threads) {
+    AdamScalars s;
+    if (int rc = make_adam_scalars(hyper, sqrt_mode_, &s); rc < 0) return rc;
+    if (!valid_dtype(grad_dtype) || !valid_dtype(out_dtype)) return -EINVAL;
+    if (n == 0) return 0;
+    if (!param || !exp_avg || !exp_avg_sq || !grad) return -EINVAL;
+    const int k = plan_tasks(n, num_threads);
+    const Isa isa = isa_;
+    const std::size_t gb = dtype_bytes(grad_dtype), ob = dtype_bytes(out_dtype);
+    pool_.run(k, [&](int t) {
+        std::size_t b, e;
+        piece(n, k, t, &b, &e);
+        if (b >= e) return;
+        void* o = out ? static_cast<char*>(out) + b * ob : nullptr;
+        adam_update_range(isa, s, param + b, exp_avg + b, exp_avg_sq + b, static_cast<const char*>(grad) + b * gb,
+                          grad_dtype, o, out_dtype, e - b);
+    });
+    return 0;
+}
+
+int CpuAdam::grad_stats(const void* grad, DType dtype, std::size_t n, GradStats* out, int num_threads) {
+    if (!valid_dtype(dtype) || !out) return -EINVAL;
+    *out = GradStats{};
+    if (n == 0) return 0;
+    if (!grad) return -EINVAL;
+    const int k = plan_tasks(n, num_threads);
+    std::vector<GradStats> parts(static_cast<std::size_t>(k));
+    const Isa isa = isa_;
+    const std::size_t gb = dtype_bytes(dtype);
+    pool_.run(k, [&](int t) {
+        std::size_t b, e;
+        piece(n, k, t, &b, &e);
+        if (b < e) grad_stats_range(isa, static_cast<const char*>(grad) + b * gb, dtype, e - b, &parts[t]);
+    });
+    for (const auto& p : parts) {
+        out->sum_of_squares += p.sum_of_squares;
+        out->found_nonfinite |= p.found_nonfinite;
+    }
+    return 0;
+}
+
+}  // namespace mlp

@@ -1,0 +1,235 @@
+// AVX2 + FMA + F16C path of the fused AdamW kernel: 8 lanes, same roundings as adam_scalar.
+// The tail (< 8 elements) goes through the same vector body via small stack buffers, so every
+// element of a call sees the identical instruction sequence.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")  // _mm256_add_ps(_mm256_mul_ps()) must not become an fma
+#endif
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+
+#include <cstring>
+
+#include "mlp/cpu_adam.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define MLP_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace mlp {
+namespace detail {
+namespace {
+
+MLP_TARGET_AVX2 inline __m256 load8(const void* g, DType dt) {
+    switch (dt) {
+        case DType::kBFloat16: {
+            const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(g)));
+            return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        }
+        case DType::kFloat16: return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(g)));
+        default: return _mm256_loadu_ps(static_cast<const float*>(g));
+    }
+}
+
+// Round-to-nearest-even to bf16 with quiet NaNs, as detail::f32_to_bf16 (integer arithmetic: the
+// result is exact for subnormals too).
+MLP_TARGET_AVX2 inline __m128i to_bf16_8(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256i r = _mm256_blendv_epi8(rounded, quiet, is_nan);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    return _mm256_castsi256_si128(packed);
+}
+
+MLP_TARGET_AVX2 inline void store8(void* out, DType dt, __m256 x) {
+    switch (dt) {
+        case DType::kBFloat16: _mm_storeu_si128(static_cast<__m128i*>(out), to_bf16_8(x)); break;
+        case DType::kFloat16:
+            _mm_storeu_si128(static_cast<__m128i*>(out), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            break;
+        default: _mm256_storeu_ps(static_cast<float*>(out), x); break;
+    }
+}
+
+MLP_TARGET_AVX2 inline __m256 sqrt8(SqrtMode mode, __m256 x) {
+    if (mode != SqrtMode::kRsqrtNewton) return _mm256_sqrt_ps(x);
+    const __m256 half = _mm256_set1_ps(0.5f);
+    const __m256 y = _mm256_rsqrt_ps(x);
+    const __m256 s = _mm256_mul_ps(x, y);
+    const __m256 h = _mm256_mul_ps(y, half);
+    const __m256 r = _mm256_sub_ps(half, _mm256_mul_ps(s, h));
+    const __m256 s1 = _mm256_add_ps(_mm256_mul_ps(s, r), s);
+    const __m256 h1 = _mm256_add_ps(_mm256_mul_ps(h, r), h);
+    const __m256 d = _mm256_sub_ps(x, _mm256_mul_ps(s1, s1));
+    const __m256 approx = _mm256_add_ps(_mm256_mul_ps(d, h1), s1);
+    // Zero, subnormal, huge, inf and NaN lanes take the exact sqrt, as MKL's rare path does.
+    const __m256i t = _mm256_add_epi32(_mm256_castps_si256(x), _mm256_set1_epi32(0x7f800000));
+    const __m256i special = _mm256_cmpgt_epi32(t, _mm256_set1_epi32(static_cast<int>(0xfefff000u)));
+    if (__builtin_expect(_mm256_testz_si256(special, special), 1)) return approx;
+    return _mm256_blendv_ps(approx, _mm256_sqrt_ps(x), _mm256_castsi256_ps(special));
+}
+
+struct Consts8 {
+    __m256 inv, clip, decay, w, wm1, b2, omb2, bc2, eps, nss;
+};
+
+template <DType G, int O, bool SmallWeight, bool Rsqrt>
+MLP_TARGET_AVX2 inline void body8(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v,
+                                  const void* g, void* out) {
+    __m256 gi = load8(g, G);
+    if (s.apply_unscale) gi = _mm256_mul_ps(gi, c.inv);
+    if (s.apply_clip) gi = _mm256_mul_ps(gi, c.clip);
+    __m256 pi = _mm256_loadu_ps(p);
+    if (s.apply_decay) pi = _mm256_mul_ps(pi, c.decay);
+    __m256 mi = _mm256_loadu_ps(m);
+    const __m256 diff = _mm256_sub_ps(gi, mi);
+    mi = SmallWeight ? _mm256_fmadd_ps(c.w, diff, mi) : _mm256_fmadd_ps(c.wm1, diff, gi);
+    __m256 vi = _mm256_mul_ps(_mm256_loadu_ps(v), c.b2);
+    vi = _mm256_fmadd_ps(_mm256_mul_ps(c.omb2, gi), gi, vi);
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(sqrt8(Rsqrt ? SqrtMode::kRsqrtNewton : SqrtMode::kIeee, vi), c.bc2), c.eps);
+    pi = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(c.nss, mi), denom));
+    _mm256_storeu_ps(p, pi);
+    _mm256_storeu_ps(m, mi);
+    _mm256_storeu_ps(v, vi);
+    if constexpr (O >= 0) store8(out, static_cast<DType>(O), pi);
+}
+
+template <DType G, int O, bool SmallWeight, bool Rsqrt>
+MLP_TARGET_AVX2 void loop8(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v, const void* g, void* out,
+                    std::size_t n) {
+    constexpr std::size_t gb = G == DType::kFloat32 ? 4 : 2;
+    constexpr std::size_t ob = O == static_cast<int>(DType::kFloat32) ? 4 : 2;
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        body8<G, O, SmallWeight, Rsqrt>(s, c, p + i, m + i, v + i, static_cast<const char*>(g) + i * gb,
+                                        O >= 0 ? static_cast<char*>(out) + i * ob : nullptr);
+    }
+    if (i < n) {
+        const std::size_t r = n - i;
+        alignas(64) float tp[8] = {}, tm[8] = {}, tv[8] = {};
+        alignas(64) unsigned char tg[32] = {}, to[32] = {};
+        std::memcpy(tp, p + i, r * 4);
+        std::memcpy(tm, m + i, r * 4);
+        std::memcpy(tv, v + i, r * 4);
+        std::memcpy(tg, static_cast<const char*>(g) + i * gb, r * gb);
+        body8<G, O, SmallWeight, Rsqrt>(s, c, tp, tm, tv, tg, to);
+        std::memcpy(p + i, tp, r * 4);
+        std::memcpy(m + i, tm, r * 4);
+        std::memcpy(v + i, tv, r * 4);
+        if constexpr (O >= 0) std::memcpy(static_cast<char*>(out) + i * ob, to, r * ob);
+    }
+}
+
+template <DType G, int O>
+MLP_TARGET_AVX2 void dispatch_flags8(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v, const void* g,
+                              void* out, std::size_t n, bool small_weight) {
+    const bool rsqrt = s.sqrt_mode == SqrtMode::kRsqrtNewton;
+    if (small_weight) {
+        if (rsqrt) loop8<G, O, true, true>(s, c, p, m, v, g, out, n);
+        else loop8<G, O, true, false>(s, c, p, m, v, g, out, n);
+    } else {
+        if (rsqrt) loop8<G, O, false, true>(s, c, p, m, v, g, out, n);
+        else loop8<G, O, false, false>(s, c, p, m, v, g, out, n);
+    }
+}
+
+template <DType G>
+MLP_TARGET_AVX2 void dispatch_out8(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v, const void* g,
+                            void* out, DType odt, std::size_t n, bool small_weight) {
+    if (!out) return dispatch_flags8<G, -1>(s, c, p, m, v, g, out, n, small_weight);
+    switch (odt) {
+        case DType::kBFloat16:
+            return dispatch_flags8<G, static_cast<int>(DType::kBFloat16)>(s, c, p, m, v, g, out, n, small_weight);
+        case DType::kFloat16:
+            return dispatch_flags8<G, static_cast<int>(DType::kFloat16)>(s, c, p, m, v, g, out, n, small_weight);
+        default:
+            return dispatch_flags8<G, static_cast<int>(DType::kFloat32)>(s, c, p, m, v, g, out, n, small_weight);
+    }
+}
+
+}  // namespace
+
+MLP_TARGET_AVX2 void adam_avx2(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt,
+                               void* out, DType odt, std::size_t n) {
+    Consts8 c;
+    c.inv = _mm256_set1_ps(s.inv_loss_scale);
+    c.clip = _mm256_set1_ps(s.clip_coef);
+    c.decay = _mm256_set1_ps(s.decay);
+    c.w = _mm256_set1_ps(s.lerp_weight);
+    c.wm1 = _mm256_set1_ps(s.lerp_weight - 1.0f);
+    c.b2 = _mm256_set1_ps(s.beta2);
+    c.omb2 = _mm256_set1_ps(s.one_minus_beta2);
+    c.bc2 = _mm256_set1_ps(s.bc2_sqrt);
+    c.eps = _mm256_set1_ps(s.eps);
+    c.nss = _mm256_set1_ps(s.neg_step_size);
+    // lerp's branch as ATen's is_lerp_weight_small: |w| < 0.5 -> m + w*(g-m), else g + (w-1)*(g-m).
+    const bool small_weight = s.lerp_weight < 0.5f && s.lerp_weight > -0.5f;
+    switch (gdt) {
+        case DType::kBFloat16: return dispatch_out8<DType::kBFloat16>(s, c, p, m, v, g, out, odt, n, small_weight);
+        case DType::kFloat16: return dispatch_out8<DType::kFloat16>(s, c, p, m, v, g, out, odt, n, small_weight);
+        default: return dispatch_out8<DType::kFloat32>(s, c, p, m, v, g, out, odt, n, small_weight);
+    }
+}
+
+namespace {
+struct StatsAcc8 {
+    __m256d acc0, acc1;
+    __m256i bad;
+};
+MLP_TARGET_AVX2 inline void stats_one8(StatsAcc8& a, __m256 x) {
+    const __m256i expmask = _mm256_set1_epi32(0x7f800000);
+    const __m256i e = _mm256_and_si256(_mm256_castps_si256(x), expmask);
+    a.bad = _mm256_or_si256(a.bad, _mm256_cmpeq_epi32(e, expmask));
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+    a.acc0 = _mm256_fmadd_pd(lo, lo, a.acc0);  // the product of two widened floats is exact
+    a.acc1 = _mm256_fmadd_pd(hi, hi, a.acc1);
+}
+}  // namespace
+
+MLP_TARGET_AVX2 void stats_avx2(const void* g, DType dt, std::size_t n, GradStats* out) {
+    StatsAcc8 a{_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_si256()};
+    const std::size_t gb = dtype_bytes(dt);
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8) stats_one8(a, load8(static_cast<const char*>(g) + i * gb, dt));
+    if (i < n) {
+        alignas(32) unsigned char tg[32] = {};
+        std::memcpy(tg, static_cast<const char*>(g) + i * gb, (n - i) * gb);
+        stats_one8(a, load8(tg, dt));
+    }
+    alignas(32) double parts[4];
+    _mm256_store_pd(parts, _mm256_add_pd(a.acc0, a.acc1));
+    out->sum_of_squares = (parts[0] + parts[1]) + (parts[2] + parts[3]);
+    out->found_nonfinite = !_mm256_testz_si256(a.bad, a.bad);
+}
+
+MLP_TARGET_AVX2 void sqrt_avx2(SqrtMode mode, const float* in, float* out, std::size_t n) {
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, sqrt8(mode, _mm256_loadu_ps(in + i)));
+    if (i < n) {
+        alignas(32) float t[8] = {};
+        std::memcpy(t, in + i, (n - i) * 4);
+        _mm256_store_ps(t, sqrt8(mode, _mm256_load_ps(t)));
+        std::memcpy(out + i, t, (n - i) * 4);
+    }
+}
+
+}  // namespace detail
+}  // namespace mlp
+
+#else  // not x86-64 GCC/Clang: never selected (isa_supported(kAvx2) is false)
+
+namespace mlp {
+namespace detail {
+void adam_avx2(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt, void* out, DType odt,
+               std::size_t n) {
+    adam_scalar(s, p, m, v, g, gdt, out, odt, n);
+}
+void stats_avx2(const void* g, DType dt, std::size_t n, GradStats* out) { stats_scalar(g, dt, n, out); }
+void sqrt_avx2(SqrtMode mode, const float* in, float* out, std::size_t n) { sqrt_scalar(mode, in, out, n); }
+}  // namespace detail
+}  // namespace mlp
+#endif

@@ -1,0 +1,241 @@
+// AVX-512 path of the fused AdamW kernel: 16 lanes, same roundings as adam_scalar.
+//
+// bf16 output uses integer round-to-nearest-even rather than AVX512-BF16's vcvtneps2bf16: that
+// instruction flushes subnormal inputs to zero, which torch's conversion does not, and the
+// integer sequence costs nothing next to the memory traffic. The rsqrt of the MKL-compatible
+// sqrt uses two 256-bit vrsqrtps (the 512-bit vrsqrt14ps is a different approximation).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+
+#include <cstring>
+
+#include "mlp/cpu_adam.h"
+
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's avx512fintrin.h trips -Wmaybe-uninitialized on its own _mm512_undefined_*() (GCC PR105593).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define MLP_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+namespace mlp {
+namespace detail {
+namespace {
+
+MLP_TARGET_AVX512 inline __m512 load16(const void* g, DType dt) {
+    switch (dt) {
+        case DType::kBFloat16: {
+            const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(g)));
+            return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        }
+        case DType::kFloat16: return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(g)));
+        default: return _mm512_loadu_ps(g);
+    }
+}
+
+MLP_TARGET_AVX512 inline __m256i to_bf16_16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, quiet));
+}
+
+MLP_TARGET_AVX512 inline void store16(void* out, DType dt, __m512 x) {
+    switch (dt) {
+        case DType::kBFloat16: _mm256_storeu_si256(static_cast<__m256i*>(out), to_bf16_16(x)); break;
+        case DType::kFloat16:
+            _mm256_storeu_si256(static_cast<__m256i*>(out), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            break;
+        default: _mm512_storeu_ps(out, x); break;
+    }
+}
+
+MLP_TARGET_AVX512 inline __m512 sqrt16(SqrtMode mode, __m512 x) {
+    if (mode != SqrtMode::kRsqrtNewton) return _mm512_sqrt_ps(x);
+    const __m512 half = _mm512_set1_ps(0.5f);
+    const __m256 ylo = _mm256_rsqrt_ps(_mm512_castps512_ps256(x));
+    const __m256 yhi = _mm256_rsqrt_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    const __m512 y = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(ylo)), _mm256_castps_pd(yhi), 1));
+    const __m512 s = _mm512_mul_ps(x, y);
+    const __m512 h = _mm512_mul_ps(y, half);
+    const __m512 r = _mm512_sub_ps(half, _mm512_mul_ps(s, h));
+    const __m512 s1 = _mm512_add_ps(_mm512_mul_ps(s, r), s);
+    const __m512 h1 = _mm512_add_ps(_mm512_mul_ps(h, r), h);
+    const __m512 d = _mm512_sub_ps(x, _mm512_mul_ps(s1, s1));
+    const __m512 approx = _mm512_add_ps(_mm512_mul_ps(d, h1), s1);
+    // Zero, subnormal, huge, inf and NaN lanes take the exact sqrt, as MKL's rare path does. They
+    // are rare (v == 0 where a gradient was exactly zero), so the costly vsqrtps runs only then.
+    const __m512i t = _mm512_add_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x7f800000));
+    const __mmask16 special = _mm512_cmpgt_epi32_mask(t, _mm512_set1_epi32(static_cast<int>(0xfefff000u)));
+    if (__builtin_expect(special == 0, 1)) return approx;
+    return _mm512_mask_blend_ps(special, approx, _mm512_sqrt_ps(x));
+}
+
+struct Consts16 {
+    __m512 inv, clip, decay, w, wm1, b2, omb2, bc2, eps, nss;
+};
+
+template <DType G, int O, bool SmallWeight, bool Rsqrt>
+MLP_TARGET_AVX512 inline void body16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v,
+                                     const void* g, void* out) {
+    __m512 gi = load16(g, G);
+    if (s.apply_unscale) gi = _mm512_mul_ps(gi, c.inv);
+    if (s.apply_clip) gi = _mm512_mul_ps(gi, c.clip);
+    __m512 pi = _mm512_loadu_ps(p);
+    if (s.apply_decay) pi = _mm512_mul_ps(pi, c.decay);
+    __m512 mi = _mm512_loadu_ps(m);
+    const __m512 diff = _mm512_sub_ps(gi, mi);
+    mi = SmallWeight ? _mm512_fmadd_ps(c.w, diff, mi) : _mm512_fmadd_ps(c.wm1, diff, gi);
+    __m512 vi = _mm512_mul_ps(_mm512_loadu_ps(v), c.b2);
+    vi = _mm512_fmadd_ps(_mm512_mul_ps(c.omb2, gi), gi, vi);
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(sqrt16(Rsqrt ? SqrtMode::kRsqrtNewton : SqrtMode::kIeee, vi), c.bc2), c.eps);
+    pi = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(c.nss, mi), denom));
+    _mm512_storeu_ps(p, pi);
+    _mm512_storeu_ps(m, mi);
+    _mm512_storeu_ps(v, vi);
+    if constexpr (O >= 0) store16(out, static_cast<DType>(O), pi);
+}
+
+struct StatsAcc16 {
+    __m512d acc0, acc1;
+    __mmask16 bad;
+};
+
+MLP_TARGET_AVX512 inline void stats_one16(StatsAcc16& a, __m512 x) {
+    const __m512i expmask = _mm512_set1_epi32(0x7f800000);
+    const __m512i e = _mm512_and_si512(_mm512_castps_si512(x), expmask);
+    a.bad = static_cast<__mmask16>(a.bad | _mm512_cmpeq_epi32_mask(e, expmask));
+    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    a.acc0 = _mm512_fmadd_pd(lo, lo, a.acc0);  // the product of two widened floats is exact
+    a.acc1 = _mm512_fmadd_pd(hi, hi, a.acc1);
+}
+
+template <DType G, int O, bool SmallWeight, bool Rsqrt>
+MLP_TARGET_AVX512 void loop16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v, const void* g, void* out,
+                    std::size_t n) {
+    constexpr std::size_t gb = G == DType::kFloat32 ? 4 : 2;
+    constexpr std::size_t ob = O == static_cast<int>(DType::kFloat32) ? 4 : 2;
+    std::size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        body16<G, O, SmallWeight, Rsqrt>(s, c, p + i, m + i, v + i, static_cast<const char*>(g) + i * gb,
+                                        O >= 0 ? static_cast<char*>(out) + i * ob : nullptr);
+    }
+    if (i < n) {
+        const std::size_t r = n - i;
+        alignas(64) float tp[16] = {}, tm[16] = {}, tv[16] = {};
+        alignas(64) unsigned char tg[64] = {}, to[64] = {};
+        std::memcpy(tp, p + i, r * 4);
+        std::memcpy(tm, m + i, r * 4);
+        std::memcpy(tv, v + i, r * 4);
+        std::memcpy(tg, static_cast<const char*>(g) + i * gb, r * gb);
+        body16<G, O, SmallWeight, Rsqrt>(s, c, tp, tm, tv, tg, to);
+        std::memcpy(p + i, tp, r * 4);
+        std::memcpy(m + i, tm, r * 4);
+        std::memcpy(v + i, tv, r * 4);
+        if constexpr (O >= 0) std::memcpy(static_cast<char*>(out) + i * ob, to, r * ob);
+    }
+}
+
+template <DType G, int O>
+MLP_TARGET_AVX512 void dispatch_flags16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v, const void* g,
+                              void* out, std::size_t n, bool small_weight) {
+    const bool rsqrt = s.sqrt_mode == SqrtMode::kRsqrtNewton;
+    if (small_weight) {
+        if (rsqrt) loop16<G, O, true, true>(s, c, p, m, v, g, out, n);
+        else loop16<G, O, true, false>(s, c, p, m, v, g, out, n);
+    } else {
+        if (rsqrt) loop16<G, O, false, true>(s, c, p, m, v, g, out, n);
+        else loop16<G, O, false, false>(s, c, p, m, v, g, out, n);
+    }
+}
+
+template <DType G>
+MLP_TARGET_AVX512 void dispatch_out16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v, const void* g,
+                            void* out, DType odt, std::size_t n, bool small_weight) {
+    if (!out) return dispatch_flags16<G, -1>(s, c, p, m, v, g, out, n, small_weight);
+    switch (odt) {
+        case DType::kBFloat16:
+            return dispatch_flags16<G, static_cast<int>(DType::kBFloat16)>(s, c, p, m, v, g, out, n, small_weight);
+        case DType::kFloat16:
+            return dispatch_flags16<G, static_cast<int>(DType::kFloat16)>(s, c, p, m, v, g, out, n, small_weight);
+        default:
+            return dispatch_flags16<G, static_cast<int>(DType::kFloat32)>(s, c, p, m, v, g, out, n, small_weight);
+    }
+}
+
+}  // namespace
+
+MLP_TARGET_AVX512 void adam_avx512(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt,
+                                   void* out, DType odt, std::size_t n) {
+    Consts16 c;
+    c.inv = _mm512_set1_ps(s.inv_loss_scale);
+    c.clip = _mm512_set1_ps(s.clip_coef);
+    c.decay = _mm512_set1_ps(s.decay);
+    c.w = _mm512_set1_ps(s.lerp_weight);
+    c.wm1 = _mm512_set1_ps(s.lerp_weight - 1.0f);
+    c.b2 = _mm512_set1_ps(s.beta2);
+    c.omb2 = _mm512_set1_ps(s.one_minus_beta2);
+    c.bc2 = _mm512_set1_ps(s.bc2_sqrt);
+    c.eps = _mm512_set1_ps(s.eps);
+    c.nss = _mm512_set1_ps(s.neg_step_size);
+    // lerp's branch as ATen's is_lerp_weight_small: |w| < 0.5 -> m + w*(g-m), else g + (w-1)*(g-m).
+    const bool small_weight = s.lerp_weight < 0.5f && s.lerp_weight > -0.5f;
+    switch (gdt) {
+        case DType::kBFloat16: return dispatch_out16<DType::kBFloat16>(s, c, p, m, v, g, out, odt, n, small_weight);
+        case DType::kFloat16: return dispatch_out16<DType::kFloat16>(s, c, p, m, v, g, out, odt, n, small_weight);
+        default: return dispatch_out16<DType::kFloat32>(s, c, p, m, v, g, out, odt, n, small_weight);
+    }
+}
+
+MLP_TARGET_AVX512 void stats_avx512(const void* g, DType dt, std::size_t n, GradStats* out) {
+    StatsAcc16 a{_mm512_setzero_pd(), _mm512_setzero_pd(), 0};
+    const std::size_t gb = dtype_bytes(dt);
+    std::size_t i = 0;
+    for (; i + 16 <= n; i += 16) stats_one16(a, load16(static_cast<const char*>(g) + i * gb, dt));
+    if (i < n) {
+        alignas(64) unsigned char tg[64] = {};
+        std::memcpy(tg, static_cast<const char*>(g) + i * gb, (n - i) * gb);
+        stats_one16(a, load16(tg, dt));
+    }
+    alignas(64) double parts[8];
+    _mm512_store_pd(parts, _mm512_add_pd(a.acc0, a.acc1));
+    out->sum_of_squares = ((parts[0] + parts[1]) + (parts[2] + parts[3])) + ((parts[4] + parts[5]) + (parts[6] + parts[7]));
+    out->found_nonfinite = a.bad != 0;
+}
+
+MLP_TARGET_AVX512 void sqrt_avx512(SqrtMode mode, const float* in, float* out, std::size_t n) {
+    std::size_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, sqrt16(mode, _mm512_loadu_ps(in + i)));
+    if (i < n) {
+        alignas(64) float t[16] = {};
+        std::memcpy(t, in + i, (n - i) * 4);
+        _mm512_store_ps(t, sqrt16(mode, _mm512_load_ps(t)));
+        std::memcpy(out + i, t, (n - i) * 4);
+    }
+}
+
+}  // namespace detail
+}  // namespace mlp
+
+#else
+
+namespace mlp {
+namespace detail {
+void adam_avx512(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt, void* out,
+                 DType odt, std::size_t n) {
+    adam_scalar(s, p, m, v, g, gdt, out, odt, n);
+}
+void stats_avx512(const void* g, DType dt, std::size_t n, GradStats* out) { stats_scalar(g, dt, n, out); }
+void sqrt_avx512(SqrtMode mode, const float* in, float* out, std::size_t n) { sqrt_scalar(mode, in, out, n); }
+}  // namespace detail
+}  // namespace mlp
+#endif

@@ -1,0 +1,392 @@
+"""`megatron-mlp bench update`: the optimizer update phase, MLP-Offload vs the ZeRO-3-style policy.
+
+Everything is measured in one run, in this order, so drifting device bandwidth affects all
+figures alike:
+
+1. each tier's bandwidth (O_DIRECT write pass, read pass, and a read+write pass at once -- the
+   last tells whether reads and writes share one limit, as on a disk);
+2. the ZeRO-3-style baseline (DeepSpeed's policy, same engine and kernel: first path only, fp32
+   gradients written to storage in backward and read back in the update, ascending order, no
+   cache, no tokens) -- its backward gradient write is reported separately;
+3. the ablation, adding the design principles one at a time to the baseline: gradients kept in
+   host memory (an fp32 copy, no gradient I/O: the first half of principle 4), multi-path
+   placement, tier tokens, cache-friendly ordering, in-register upcast (no fp32 copy: the second
+   half of principle 4) -- the last row is MLP-Offload;
+4. the placement model's predicted I/O time and the I/O lower bound: the bytes MLP-Offload moved
+   per step on each tier divided by that tier's bandwidth from (1) -- read time + write time on a
+   tier whose reads and writes share one limit, the larger of the two (or their sum over the
+   combined bandwidth, whichever is larger) on one where they do not.
+
+A path with ``qos=`` is an emulated slower tier (the engine's bandwidth cap) and is labelled so.
+Times are medians over the steps after the first (the first fills the host cache).
+With ``--ranks R`` the shard is split over R processes that run each phase together.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+from megatron_mlp.errors import ConfigError
+from megatron_mlp.tier.spec import TierSpec, parse_size, parse_tier_paths
+
+ABLATION = (
+    # (name, config overrides) -- cumulative: each row adds one principle to the previous one. The
+    # first row is the baseline minus its gradient round trip through storage (the first half of
+    # principle 4); the last row adds the in-register upcast (its second half) and is MLP-Offload.
+    ("+ grads kept in host memory (fp32 copy)", dict(multipath=False, use_tokens=False, cache_order=False,
+                                                     deferred_upcast=False)),
+    ("+ multi-path placement", dict(multipath=True, use_tokens=False, cache_order=False, deferred_upcast=False)),
+    ("+ tier tokens", dict(multipath=True, use_tokens=True, cache_order=False, deferred_upcast=False)),
+    ("+ cache-friendly order", dict(multipath=True, use_tokens=True, cache_order=True, deferred_upcast=False)),
+    ("+ in-register upcast (= MLP-Offload)", dict(multipath=True, use_tokens=True, cache_order=True,
+                                                  deferred_upcast=True)),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-mlp bench update", description=__doc__.split("\n")[0])
+    p.add_argument("--paths", required=True, help='tier paths, e.g. "/nvme;/pfs:qos=1GB/s" (qos = emulated tier)')
+    p.add_argument("--num-params", type=int, default=100_000_000, help="params of optimizer state (all ranks)")
+    p.add_argument("--subgroup-params", type=int, default=25_000_000)
+    p.add_argument("--host-cache-bytes", default="0", help="host cache budget per rank (e.g. 1GB)")
+    p.add_argument("--prefetch-depth", type=int, default=2)
+    p.add_argument("--flush-depth", type=int, default=1)
+    p.add_argument("--ranks", type=int, default=1, help="processes sharing the tiers, as ranks of one node")
+    p.add_argument("--steps", type=int, default=3, help="update steps per variant (the first is a warm-up)")
+    p.add_argument("--grad-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--calib-bytes", default="1GB", help="bytes per tier for the bandwidth measurement")
+    p.add_argument("--backend", default="auto", choices=("auto", "io_uring", "threads"))
+    p.add_argument("--no-ablation", action="store_true", help="only the baseline and MLP-Offload")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    return p
+
+
+# ----------------------------------------------------------------------------- bandwidth
+
+def measure_tier(spec: TierSpec, nbytes: int, backend: str, block_bytes: int, queue_depth: int) -> dict:
+    """O_DIRECT write, read, and concurrent read+write bandwidth of one tier (with its QoS cap).
+
+    Reads and writes use two engines, as the optimizer does on a tier with split lanes, so the
+    concurrent pass measures the device (or the cap), not one engine's queue.
+    """
+    import threading
+
+    from megatron_mlp.engine import Engine
+
+    qos = int(spec.qos_bytes_per_s or 0)
+    chunk = min(64 << 20, max(4096, nbytes // 4096 * 4096))
+    nbytes = max(chunk, nbytes // chunk * chunk)
+    d = tempfile.mkdtemp(prefix="mlp-offload-bw-", dir=spec.path)
+    engines = [Engine(backend=backend, block_bytes=block_bytes, queue_depth=queue_depth,
+                      read_limit_bytes_per_s=qos, write_limit_bytes_per_s=qos) for _ in range(2)]
+    bufs = [[eng.alloc(chunk) for _ in range(2)] for eng in engines]
+    paths = [os.path.join(d, f"f{i}") for i in range(2)]
+    files = [[eng.open(p, create=True, direct=True) for p in paths] for eng in engines]
+    offsets = range(0, nbytes, chunk)
+
+    def one_pass(k, write, f):   # two requests in flight on engine k
+        eng, inflight = engines[k], []
+        for i, off in enumerate(offsets):
+            if len(inflight) >= 2:
+                inflight.pop(0).wait()
+            buf = bufs[k][i % 2]
+            inflight.append(eng.write(files[k][f], buf, off) if write else eng.read(files[k][f], buf, off))
+        for r in inflight:
+            r.wait()
+
+    def timed(fn, *a):
+        t0 = time.perf_counter()
+        fn(*a)
+        return time.perf_counter() - t0
+
+    def both():
+        threads = [threading.Thread(target=one_pass, args=(0, False, 1)),
+                   threading.Thread(target=one_pass, args=(1, True, 0))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    try:
+        one_pass(1, True, 1)                    # the file the concurrent pass reads
+        t_write = timed(one_pass, 1, True, 0)
+        t_read = timed(one_pass, 0, False, 0)
+        t_mixed = timed(both)
+    finally:
+        for per_engine in files:
+            for f in per_engine:
+                f.close()
+        for eng in engines:
+            eng.close()
+        for p in paths:
+            os.unlink(p)
+        os.rmdir(d)
+    read_bps, write_bps, mixed_bps = nbytes / t_read, nbytes / t_write, 2 * nbytes / t_mixed
+    # Shared limit: doing both at once is not clearly faster than one after the other.
+    shared = t_mixed >= 0.8 * (t_read + t_write)
+    return {"path": spec.path, "emulated": spec.qos_bytes_per_s is not None,
+            "qos_bytes_per_s": spec.qos_bytes_per_s, "read_bytes_per_s": read_bps,
+            "write_bytes_per_s": write_bps, "concurrent_bytes_per_s": mixed_bps,
+            "shared_rw_limit": shared, "measured_bytes": nbytes}
+
+
+def io_time_bound(read_bytes: float, write_bytes: float, bw: dict) -> float:
+    """Least time a tier needs to read and write these bytes at its measured bandwidths."""
+    r, w = read_bytes / bw["read_bytes_per_s"], write_bytes / bw["write_bytes_per_s"]
+    serial = r + w
+    overlapped = max(r, w, (read_bytes + write_bytes) / bw["concurrent_bytes_per_s"])
+    return min(serial, overlapped)
+
+
+# ----------------------------------------------------------------------------- one rank
+
+class _NoBarrier:
+    def wait(self):
+        return 0
+
+
+def _config(args, tiers, **overrides):
+    from megatron_mlp.config import MLPOffloadConfig
+    return MLPOffloadConfig(tiers=tiers, subgroup_params=args.subgroup_params,
+                            host_cache_bytes=args.host_cache, prefetch_depth=args.prefetch_depth,
+                            flush_depth=args.flush_depth, backend=args.backend,
+                            runtime_dir=args.runtime_dir, **overrides)
+
+
+def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
+    """Every variant on this rank's shard; returns per-variant per-step seconds and stats."""
+    import torch
+
+    from megatron_mlp.engine import Engine
+    from megatron_mlp.optim.baseline import ZeroStyleOffload
+    from megatron_mlp.optim.offload_adam import OffloadAdam
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
+    numel = args.num_params // args.ranks
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.grad_dtype]
+    gen = torch.Generator().manual_seed(rank)
+    grads = (torch.randn(numel, generator=gen) * 1e-3).to(dtype)
+    params_out = torch.empty(numel, dtype=dtype)
+    result = {"rank": rank, "numel": numel}
+
+    # -- the ZeRO-3-style baseline
+    barrier.wait()
+    eng = Engine(backend=args.backend, block_bytes=1 << 20, queue_depth=8,
+                 read_limit_bytes_per_s=int(tiers[0].qos_bytes_per_s or 0),
+                 write_limit_bytes_per_s=int(tiers[0].qos_bytes_per_s or 0))
+    base = ZeroStyleOffload(tiers[0].path, numel, args.subgroup_params, eng)
+    steps, backward = [], []
+    try:
+        for _ in range(args.steps):
+            barrier.wait()
+            backward.append(base.backward_write_grads(grads))
+            barrier.wait()
+            steps.append(base.step(params_out))
+        result["baseline"] = {"steps_s": steps, "backward_s": backward, "last": base.last,
+                              "peak_host_bytes": base.peak_host_bytes}
+    finally:
+        base.close()
+        eng.close()
+        del base
+
+    variants = [ABLATION[-1]] if args.no_ablation else list(ABLATION)
+    result["variants"] = []
+    for name, overrides in variants:
+        barrier.wait()
+        opt = OffloadAdam(_config(args, tiers, **overrides), [(0, numel)], [{"lr": 1e-3}], None,
+                          rank=rank, ranks_per_node=args.ranks)
+        steps, stats = [], []
+        try:
+            for _ in range(args.steps):
+                barrier.wait()
+                t0 = time.perf_counter()
+                opt.step(grads, params_out)
+                steps.append(time.perf_counter() - t0)
+                stats.append(opt.last_step_stats)
+            result["variants"].append({"name": name, "steps_s": steps, "stats": stats,
+                                       "tier_of": list(opt.tier_of),
+                                       "host_limit_bytes": opt.host_budget_bytes})
+        finally:
+            opt.close()
+            del opt
+    if queue is not None:
+        queue.put(result)
+    return result
+
+
+def _rank_main(rank, args, tiers, barrier, queue):
+    try:
+        run_rank(rank, args, tiers, barrier, queue)
+    except BaseException as e:  # noqa: BLE001 -- reported to the parent, which fails loudly
+        queue.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
+        barrier.abort()
+        raise
+
+
+# ----------------------------------------------------------------------------- aggregate
+
+def _steady(values):
+    """Median over the steps after the first (the first fills the host cache), with the spread."""
+    vals = values[1:] if len(values) > 1 else values
+    return statistics.median(vals), min(vals), max(vals)
+
+
+def _per_step_max(results, pick):
+    """Per step, the slowest rank (the ranks of a node wait for each other)."""
+    per_rank = [pick(r) for r in results]
+    return [max(v[i] for v in per_rank) for i in range(len(per_rank[0]))]
+
+
+def summarize(args, tiers, bandwidth, results) -> dict:
+    from megatron_mlp.optim.placement import plan_for
+    from megatron_mlp.optim.subgroups import SubgroupPlan
+
+    base_steps = _per_step_max(results, lambda r: r["baseline"]["steps_s"])
+    back_steps = _per_step_max(results, lambda r: r["baseline"]["backward_s"])
+    baseline_s, base_min, base_max = _steady(base_steps)
+    backward_s = _steady(back_steps)[0]
+    ablation = [{"name": "ZeRO-3 policy (baseline)", "seconds": baseline_s, "min_s": base_min,
+                 "max_s": base_max, "speedup": 1.0}]
+    for i, variant in enumerate(results[0]["variants"]):
+        steps = _per_step_max(results, lambda r: r["variants"][i]["steps_s"])
+        med, lo, hi = _steady(steps)
+        ablation.append({"name": variant["name"], "seconds": med, "min_s": lo, "max_s": hi,
+                         "speedup": baseline_s / med if med > 0 else None})
+    mlp = ablation[-1]
+    mlp_s = mlp["seconds"]
+    # Bytes MLP-Offload moved per step on each tier (all ranks; steady-state steps).
+    last_stats = [r["variants"][-1]["stats"] for r in results]
+    steady = slice(1, None) if args.steps > 1 else slice(None)
+    tier_rows = []
+    for j, bw in enumerate(bandwidth):
+        rd = wr = 0.0
+        hits = 0
+        for per_rank in last_stats:
+            chosen = per_rank[steady]
+            for st in chosen:
+                for t in st["tiers"]:
+                    if t["path"] == bw["path"]:
+                        rd += t["bytes_read"] / len(chosen)
+                        wr += t["bytes_written"] / len(chosen)
+                        hits += t["cache_hits"]
+        bound = io_time_bound(rd, wr, bw)
+        tier_rows.append({**bw, "label": "emulated" if bw["emulated"] else "real",
+                          "mlp_bytes_read_per_step": rd, "mlp_bytes_written_per_step": wr,
+                          "mlp_cache_hits": hits, "lower_bound_s": bound})
+    lower_bound_s = max(row["lower_bound_s"] for row in tier_rows)
+    numel = args.num_params // args.ranks
+    plan = SubgroupPlan([(0, numel)], args.subgroup_params)
+    placement = plan_for(plan, _config(args, tiers), args.ranks)
+    base_last = results[0]["baseline"]["last"]
+    mlp_last = last_stats[0][-1]
+    return {
+        "benchmark": "update",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "config": {"paths": args.paths, "num_params": args.num_params, "subgroup_params": args.subgroup_params,
+                   "host_cache_bytes": args.host_cache, "prefetch_depth": args.prefetch_depth,
+                   "flush_depth": args.flush_depth, "ranks": args.ranks, "steps": args.steps,
+                   "grad_dtype": args.grad_dtype, "backend": args.backend},
+        "tiers": tier_rows,
+        "emulated_paths": [row["path"] for row in tier_rows if row["emulated"]],
+        "baseline_s": baseline_s, "baseline_min_s": base_min, "baseline_max_s": base_max,
+        "baseline_backward_grad_write_s": backward_s,
+        "baseline_steps_s": base_steps, "baseline_backward_steps_s": back_steps,
+        "baseline_bytes_read_per_step": base_last["bytes_read"] * args.ranks,
+        "baseline_bytes_written_per_step": base_last["bytes_written"] * args.ranks,
+        "baseline_compute_s": base_last["compute_s"],
+        "mlp_s": mlp_s, "mlp_min_s": mlp["min_s"], "mlp_max_s": mlp["max_s"],
+        "mlp_steps_s": _per_step_max(results, lambda r: r["variants"][-1]["steps_s"]),
+        "speedup": baseline_s / mlp_s if mlp_s > 0 else None,
+        "speedup_with_backward_write": (baseline_s + backward_s) / mlp_s if mlp_s > 0 else None,
+        "lower_bound_s": lower_bound_s,
+        "mlp_vs_lower_bound": mlp_s / lower_bound_s if lower_bound_s > 0 else None,
+        "predicted_s": placement.total_seconds,
+        "placement": placement.to_dict(),
+        "mlp_tier_of": results[0]["variants"][-1]["tier_of"],
+        "mlp_host_limit_bytes": results[0]["variants"][-1]["host_limit_bytes"],
+        "mlp_last_step": mlp_last,
+        "ablation": ablation,
+    }
+
+
+def _text(summary) -> str:
+    gb = 1e9
+    lines = [f"bench update: {summary['config']['num_params']:,} params, subgroups of "
+             f"{summary['config']['subgroup_params']:,}, host cache {summary['config']['host_cache_bytes'] / gb:.2f} GB, "
+             f"{summary['config']['ranks']} rank(s), grads {summary['config']['grad_dtype']}"]
+    for t in summary["tiers"]:
+        lines.append(f"  tier {t['path']} ({t['label']}{', qos cap' if t['emulated'] else ''}): "
+                     f"read {t['read_bytes_per_s'] / gb:.2f} GB/s, write {t['write_bytes_per_s'] / gb:.2f} GB/s, "
+                     f"both at once {t['concurrent_bytes_per_s'] / gb:.2f} GB/s "
+                     f"({'shared' if t['shared_rw_limit'] else 'separate'} limit); MLP moved "
+                     f"{t['mlp_bytes_read_per_step'] / gb:.2f} GB read + {t['mlp_bytes_written_per_step'] / gb:.2f} GB "
+                     f"written per step -> bound {t['lower_bound_s']:.2f} s")
+    lines.append(f"ZeRO-3-style baseline: update {summary['baseline_s']:.2f} s "
+                 f"(+ {summary['baseline_backward_grad_write_s']:.2f} s writing fp32 grads in backward)")
+    for a in summary["ablation"]:
+        lines.append(f"  {a['name']:<40} {a['seconds']:7.2f} s  ({a['speedup']:.2f}x)")
+    lines.append(f"MLP-Offload: {summary['mlp_s']:.2f} s -> {summary['speedup']:.2f}x the baseline; "
+                 f"I/O lower bound {summary['lower_bound_s']:.2f} s (x{summary['mlp_vs_lower_bound']:.2f}); "
+                 f"placement model predicted {summary['predicted_s']:.2f} s")
+    if summary["emulated_paths"]:
+        lines.append(f"note: {', '.join(summary['emulated_paths'])} emulated (engine bandwidth cap), not a real tier")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    tiers = parse_tier_paths(args.paths, flag="--paths")
+    for spec in tiers:
+        if not os.path.isdir(spec.path):
+            raise ConfigError(f"--paths: {spec.path} is not a directory")
+    args.host_cache = parse_size(str(args.host_cache_bytes), "--host-cache-bytes")
+    calib = parse_size(str(args.calib_bytes), "--calib-bytes")
+    for flag, value in (("--num-params", args.num_params), ("--subgroup-params", args.subgroup_params),
+                        ("--ranks", args.ranks), ("--steps", args.steps)):
+        if value <= 0:
+            raise ConfigError(f"{flag}: {value} must be positive")
+    if args.num_params // args.ranks <= 0:
+        raise ConfigError(f"--num-params: {args.num_params} is fewer than one per rank (--ranks {args.ranks})")
+    runtime = tempfile.TemporaryDirectory(prefix="mlp-bench-tokens-")
+    args.runtime_dir = runtime.name
+    try:
+        bandwidth = [measure_tier(spec, calib, args.backend, 1 << 20, 8) for spec in tiers]
+        # MLP-Offload's placement gets the bandwidths measured just now (as calibration would).
+        measured = tuple(TierSpec(path=s.path, read_bytes_per_s=bw["read_bytes_per_s"],
+                                  write_bytes_per_s=bw["write_bytes_per_s"], capacity_bytes=s.capacity_bytes,
+                                  qos_bytes_per_s=s.qos_bytes_per_s) for s, bw in zip(tiers, bandwidth))
+        if args.ranks == 1:
+            results = [run_rank(0, args, measured, _NoBarrier())]
+        else:
+            ctx = mp.get_context("spawn")
+            barrier, queue = ctx.Barrier(args.ranks), ctx.Queue()
+            procs = [ctx.Process(target=_rank_main, args=(r, args, measured, barrier, queue))
+                     for r in range(args.ranks)]
+            for p in procs:
+                p.start()
+            results = [queue.get() for _ in procs]
+            for p in procs:
+                p.join()
+            errors = [r["error"] for r in results if "error" in r]
+            if errors:
+                raise RuntimeError(f"bench update: a rank failed: {errors[0]}")
+            results.sort(key=lambda r: r["rank"])
+        summary = summarize(args, measured, bandwidth, results)
+    finally:
+        runtime.cleanup()
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(_text(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""CRC-32C of host buffers, used to verify every subgroup read back from a storage tier.
+
+Castagnoli polynomial (as iSCSI, ext4, RocksDB): ``crc32c(b"123456789") == 0xE3069283``.
+The C++ core uses the SSE4.2 ``crc32`` instruction over three interleaved streams where the CPU
+has it, else a slicing-by-8 table; both give the same value. The GIL is released while it runs.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_mlp import _C
+
+__all__ = ["crc32c", "crc32c_impl"]
+
+
+def crc32c_impl() -> str:
+    """The implementation ``crc32c`` uses on this CPU: "sse42" or "software"."""
+    return "sse42" if _C.crc32c_isa_supported("sse42") else "software"
+
+
+def _address_and_size(buffer) -> tuple[int, int, object]:
+    """(address, nbytes, keep-alive object) of a contiguous host buffer."""
+    if hasattr(buffer, "data_ptr") and hasattr(buffer, "is_contiguous"):  # torch.Tensor
+        if buffer.device.type != "cpu":
+            raise ValueError(f"crc32c: tensor must be in host memory, got device {buffer.device}")
+        if not buffer.is_contiguous():
+            raise ValueError(f"crc32c: tensor must be contiguous (stride {tuple(buffer.stride())})")
+        return buffer.data_ptr(), buffer.numel() * buffer.element_size(), buffer
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise TypeError(f"crc32c: expected a torch.Tensor or an object with the buffer protocol "
+                        f"(bytes, bytearray, memoryview, numpy array), got {type(buffer).__name__}") from None
+    if not view.contiguous:
+        raise ValueError("crc32c: buffer must be contiguous")
+    if view.nbytes == 0:
+        return 0, 0, view
+    arr = np.frombuffer(view.cast("B"), dtype=np.uint8)
+    return arr.ctypes.data, arr.nbytes, arr
+
+
+def crc32c(buffer, seed: int = 0, *, impl: str = "auto") -> int:
+    """CRC-32C of a contiguous host buffer.
+
+    Args:
+        buffer: a CPU torch.Tensor or any object with the buffer protocol, contiguous.
+        seed: the CRC of the bytes before this buffer (0 to start), so that
+            ``crc32c(b, seed=crc32c(a)) == crc32c(a + b)``.
+        impl: "auto", "sse42" or "software" (tests compare the two).
+
+    Returns:
+        The checksum as an unsigned 32-bit int.
+
+    Raises:
+        TypeError / ValueError: not a buffer, not contiguous, not in host memory, bad seed or impl.
+    """
+    if not 0 <= int(seed) <= 0xFFFFFFFF:
+        raise ValueError(f"crc32c: seed must be an unsigned 32-bit value, got {seed}")
+    addr, nbytes, keep = _address_and_size(buffer)
+    result = _C.crc32c(addr, nbytes, int(seed), impl)
+    del keep
+    return result

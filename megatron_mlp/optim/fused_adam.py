@@ -1,0 +1,170 @@
+"""Fused CPU AdamW with in-register gradient upcast (design principle 4).
+
+``fused_adam_step`` updates fp32 ``param``/``exp_avg``/``exp_avg_sq`` in place from a bf16, fp16 or
+fp32 gradient that is never copied to fp32, and optionally writes the new params in a low
+precision for the GPU. The result is bit-identical to ``torch.optim.AdamW`` (fp32, the
+single-tensor CPU implementation) applied to ``grad.float() * inv_loss_scale * clip_coef``.
+
+One kernel object (a C++ ``CpuAdam`` owning its worker threads) is kept per process.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from megatron_mlp import _C
+
+__all__ = [
+    "fused_adam_step",
+    "grad_stats",
+    "kernel_isa",
+    "set_kernel_isa",
+    "sqrt_mode",
+    "set_sqrt_mode",
+    "num_kernel_threads",
+]
+
+_GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_KERNEL_LOCK = threading.Lock()
+_KERNEL = None  # the process's _C.CpuAdam, created on first use
+
+
+def _available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _kernel():
+    global _KERNEL
+    if _KERNEL is None:
+        with _KERNEL_LOCK:
+            if _KERNEL is None:
+                k = _C.CpuAdam(_available_cpus())
+                k.set_sqrt_mode(_detect_torch_sqrt(k))
+                _KERNEL = k
+    return _KERNEL
+
+
+def _detect_torch_sqrt(kernel) -> str:
+    """Which sqrt the installed torch computes for fp32 CPU tensors.
+
+    torch built with MKL evaluates ``Tensor.sqrt()`` with MKL's vsSqrt, whose generic SSE kernel
+    (taken e.g. on AMD CPUs) is rsqrt + Newton and differs from the correctly rounded sqrt in about
+    one element in five by 1 ulp. AdamW's denominator goes through it, so to stay bit-identical the
+    kernel uses the same sequence when torch does. Returns "ieee" when torch's sqrt is correctly
+    rounded or is neither of the two (then the update is within 1 ulp of torch per sqrt).
+    """
+    gen = torch.Generator().manual_seed(1234)
+    # Values spanning the exponent range Adam's exp_avg_sq sees, plus a full sweep of mantissas.
+    x = torch.rand(8192, generator=gen, dtype=torch.float64).mul_(40).sub_(36)
+    x = torch.pow(10.0, x).float()
+    ref = x.sqrt()
+    for mode in ("rsqrt_newton", "ieee"):
+        kernel.set_sqrt_mode(mode)
+        out = torch.empty_like(x)
+        kernel.sqrt(x.data_ptr(), out.data_ptr(), x.numel())
+        if torch.equal(out.view(torch.int32), ref.view(torch.int32)):
+            return mode
+    return "ieee"
+
+
+def kernel_isa() -> str:
+    """The kernel path in use: "avx512", "avx2" or "scalar"."""
+    return _kernel().isa
+
+
+def set_kernel_isa(name: str) -> None:
+    """Force a kernel path ("avx512", "avx2", "scalar"; "auto" = the fastest this CPU runs).
+
+    Raises:
+        ValueError: unknown name, or a path this CPU cannot run.
+    """
+    k = _kernel()
+    k.set_isa(_C.best_isa() if name == "auto" else name)
+
+
+def sqrt_mode() -> str:
+    """The sqrt the kernel uses: "rsqrt_newton" (as MKL's vsSqrt on this CPU) or "ieee"."""
+    return _kernel().sqrt_mode
+
+
+def set_sqrt_mode(name: str) -> None:
+    """Force the kernel's sqrt ("ieee", "rsqrt_newton", or "auto" = match the installed torch)."""
+    k = _kernel()
+    k.set_sqrt_mode(_detect_torch_sqrt(k) if name == "auto" else name)
+
+
+def num_kernel_threads() -> int:
+    """Threads of the process's kernel pool (all CPUs this process may run on)."""
+    return _kernel().num_threads
+
+
+def _check_tensor(name: str, t, allowed: dict, numel: int | None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"fused_adam_step: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"fused_adam_step: {name} must be a CPU tensor, got device {t.device}")
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise TypeError(f"fused_adam_step: {name} has dtype {str(t.dtype).replace('torch.', '')}; expected {names}")
+    if not t.is_contiguous():
+        raise ValueError(f"fused_adam_step: {name} must be contiguous (stride {tuple(t.stride())}); "
+                         f"pass {name}.contiguous() or a flat view of the buffer")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"fused_adam_step: {name} has {t.numel()} elements, param has {numel}")
+
+
+def fused_adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *, lr, beta1, beta2, eps,
+                    weight_decay, step, inv_loss_scale=1.0, clip_coef=1.0, num_threads=0) -> None:
+    """One AdamW step over a flat range, in place.
+
+    Args:
+        param, exp_avg, exp_avg_sq: fp32 CPU tensors of the same numel, contiguous; updated in place.
+        grad: bf16, fp16 or fp32 CPU tensor of that numel; read only, upcast in registers.
+        param_out: optional bf16, fp16 or fp32 CPU tensor of that numel receiving the new params.
+        lr, beta1, beta2, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
+        step: the step count after this update (1 for the first step), as torch's state["step"].
+        inv_loss_scale: applied first, ``g = float(grad) * inv_loss_scale``.
+        clip_coef: applied next, ``g = g * clip_coef`` (two fp32 roundings, as Megatron).
+        num_threads: threads to use, 0 = the whole pool.
+
+    Raises:
+        TypeError / ValueError: a tensor of the wrong dtype, device, size or layout, or bad
+            hyper-parameters; the message names the argument and the value.
+    """
+    _check_tensor("param", param, {torch.float32: 0}, None)
+    n = param.numel()
+    _check_tensor("exp_avg", exp_avg, {torch.float32: 0}, n)
+    _check_tensor("exp_avg_sq", exp_avg_sq, {torch.float32: 0}, n)
+    _check_tensor("grad", grad, _GRAD_DTYPES, n)
+    out_ptr, out_code = 0, 0
+    if param_out is not None:
+        _check_tensor("param_out", param_out, _GRAD_DTYPES, n)
+        out_ptr, out_code = param_out.data_ptr(), _GRAD_DTYPES[param_out.dtype]
+    if int(step) != step or step < 1:
+        raise ValueError(f"fused_adam_step: step must be an integer >= 1, got {step!r}")
+    if num_threads < 0:
+        raise ValueError(f"fused_adam_step: num_threads must be >= 0, got {num_threads}")
+    if n == 0:
+        return
+    _kernel().step(param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
+                   _GRAD_DTYPES[grad.dtype], out_ptr, out_code, n, float(lr), float(beta1), float(beta2),
+                   float(eps), float(weight_decay), int(step), float(inv_loss_scale), float(clip_coef),
+                   int(num_threads))
+
+
+def grad_stats(grad, num_threads: int = 0) -> tuple[float, bool]:
+    """Sum of squares (fp64 accumulation) and whether any element is inf/NaN, without an fp32 copy.
+
+    Raises:
+        TypeError / ValueError: grad is not a contiguous bf16/fp16/fp32 CPU tensor.
+    """
+    _check_tensor("grad", grad, _GRAD_DTYPES, None)
+    if grad.numel() == 0:
+        return 0.0, False
+    sumsq, nonfinite = _kernel().grad_stats(grad.data_ptr(), _GRAD_DTYPES[grad.dtype], grad.numel(), num_threads)
+    return float(sumsq), bool(nonfinite)

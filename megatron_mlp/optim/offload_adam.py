@@ -1,0 +1,581 @@
+"""OffloadAdam: AdamW whose fp32 state (params, exp_avg, exp_avg_sq) lives on the virtual tier.
+
+One data-parallel rank's flat fp32 shard ``[0, numel)`` is cut into subgroups (``SubgroupPlan``),
+placed over the tier paths by the placement model, and streamed through a bounded pool of host
+buffers during ``step()``:
+
+    for each subgroup, in this iteration's order (cached ones first):
+        fetch its p|m|v region unless it is in the host cache   (tier lane, async, token held)
+        verify the crc32c                                         (tier lane)
+        fused AdamW on the low-precision gradient slice          (this thread, GIL released)
+        hand the updated low-precision params out                (on_subgroup_done(start, end))
+        flush the region back unless it stays cached             (tier lane, async, token held)
+
+Fetches run ``prefetch_depth`` subgroups ahead and flushes complete lazily, so the I/O of every
+tier overlaps the kernel; the compute thread always takes the earliest subgroup of the order that
+is ready, so a tier whose token is held by another rank delays only its own subgroups.
+
+Framework-agnostic: plain CPU torch tensors in, nothing Megatron-specific (see megatron/ for that).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import time
+import weakref
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
+
+import torch
+
+from megatron_mlp.errors import ConfigError, TierIOError
+from megatron_mlp.optim.host_pool import HostBufferPool
+from megatron_mlp.optim.placement import assign_subgroups
+from megatron_mlp.optim.schedule import cache_slots, iteration_order, kept_in_cache
+from megatron_mlp.optim.stats import StepStats
+from megatron_mlp.optim.store import TierStore
+from megatron_mlp.optim.subgroups import STATE_NAMES, Subgroup, SubgroupPlan
+
+GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+STATE_DICT_FORMAT = "megatron_mlp.OffloadAdam/1"
+_DEFAULTS = {"weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8}
+
+
+class OffloadAdam:
+    """AdamW over one rank's flat fp32 shard, with the state on the tiers of ``config``.
+
+    Args:
+        config: the frozen ``MLPOffloadConfig``.
+        group_ranges: ``[(start, end), ...]`` of each param group in the flat shard, contiguous from 0.
+        param_groups: one dict per group with ``lr`` and optionally ``weight_decay``, ``betas``,
+            ``eps`` (AdamW defaults otherwise). Kept by identity: an LR scheduler may write ``lr`` /
+            ``weight_decay`` into them between steps.
+        initial_params: fp32 flat tensor of ``numel`` elements, a callable ``(start, end) -> fp32
+            tensor`` (streamed, so the whole shard never needs to exist at once), or None (zeros).
+        rank: this process's rank (names the scratch dir only).
+        ranks_per_node: processes of the node sharing the tiers (placement model input).
+        engine_factory / token_factory: ``spec -> Engine`` / ``spec -> token or None``; defaults
+            build the real ones from ``config``; tests inject faults through them.
+    Raises:
+        ConfigError: inconsistent ranges / groups / initial params (message names the value).
+        TierIOError, TierCapacityError: a tier path cannot hold the state.
+    """
+
+    def __init__(self, config, group_ranges, param_groups, initial_params=None, *, rank: int = 0,
+                 ranks_per_node: int = 1, engine_factory=None, token_factory=None):
+        self.config = config
+        self.plan = SubgroupPlan(group_ranges, config.subgroup_params)
+        if len(param_groups) != len(self.plan.group_ranges):
+            raise ConfigError(f"param_groups: {len(param_groups)} groups given for "
+                              f"{len(self.plan.group_ranges)} group ranges")
+        for i, group in enumerate(param_groups):
+            if "lr" not in group:
+                raise ConfigError(f"param_groups[{i}]: 'lr' is required")
+            for key, value in _DEFAULTS.items():
+                group.setdefault(key, value)
+        self.param_groups = param_groups
+        # Megatron-style per-group state; 'step' drives the bias correction.
+        self.state = {g: {"step": 0} for g in range(len(param_groups))}
+        self.numel = self.plan.numel
+        self._iteration = 0
+        self._closed = False
+        self.last_step_stats: dict = {}
+        self.flush_errors: list[str] = []
+
+        self.tier_of = assign_subgroups(self.plan, config, ranks_per_node)
+        engine_factory = engine_factory or _default_engine_factory(config)
+        token_factory = token_factory or _default_token_factory(config)
+        job = str(config.extra.get("job_id", "job"))
+        self.stores: list[TierStore] = []
+        self._finalizer = weakref.finalize(self, _close_stores, self.stores)
+        for t, spec in enumerate(config.tiers):
+            mine = [sg for sg in self.plan if self.tier_of[sg.index] == t]
+            if not mine:
+                continue
+            self.stores.append(TierStore.create(
+                t, spec, mine, engine_factory=engine_factory, token_factory=token_factory,
+                checksum=config.checksum, job_tag=f"{job}-r{rank}-p{os.getpid()}"))
+        self._store_of = {s.index: s for s in self.stores}
+
+        buf_bytes = max(self.plan.max_region_bytes, 4096)
+        self.cache_slots = cache_slots(config.host_cache_bytes, buf_bytes, cache_order=config.cache_order)
+        self.working_buffers = config.prefetch_depth + config.flush_depth + 1
+        self.pool = HostBufferPool(self.stores[0].engine.alloc if self.stores else bytearray, buf_bytes,
+                                   self.cache_slots + self.working_buffers)
+        # subgroup index -> host buffer whose content is newer than (or as new as) storage.
+        self._resident: dict[int, object] = {}
+        self._upcast_buffer = None
+        self._write_initial(initial_params)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def host_budget_bytes(self) -> int:
+        """The hard host limit: cache budget + working set, in whole buffers."""
+        return self.pool.limit_bytes
+
+    def grad_stats(self, grads: torch.Tensor) -> tuple[float, bool]:
+        """(sum of squares in fp64, found non-finite) of the low-precision gradient, no fp32 copy.
+
+        The caller all-reduces both across the data-parallel group, derives the global norm and
+        ``clip_coef``, and skips the step (``found_inf=True``) when any rank found inf/nan.
+        """
+        from megatron_mlp.optim.fused_adam import grad_stats
+        self._check_grads(grads)
+        sumsq, nonfinite = grad_stats(grads)
+        return float(sumsq), bool(nonfinite)
+
+    def step(self, grads: torch.Tensor, params_out: torch.Tensor | None = None, *,
+             inv_loss_scale: float = 1.0, clip_coef: float = 1.0, on_subgroup_done=None,
+             found_inf: bool = False) -> None:
+        """One AdamW step over the whole shard.
+
+        Args:
+            grads: flat host gradient (bf16 | fp16 | fp32, ``numel`` elements), used in its own dtype.
+            params_out: flat host tensor (bf16 | fp16 | fp32) receiving the updated params, or None.
+            inv_loss_scale, clip_coef: applied inside the kernel, in that order (g * inv * clip).
+            on_subgroup_done: ``callback(start, end)``: ``params_out[start:end]`` is final.
+            found_inf: the (all-reduced) gradient had inf/nan: skip, change nothing (fp16 loss scaling).
+        Raises:
+            TierIOError: a fetch or flush failed. A failed flush keeps that subgroup's new state in
+                host memory (the previous copy on the tier stays intact) and is raised after the
+                step has updated every subgroup; a failed fetch stops the step where it happened.
+            IntegrityError: a region read back does not match its checksum.
+        """
+        self._check_open()
+        self._check_grads(grads)
+        if params_out is not None:
+            if params_out.numel() != self.numel or params_out.dtype not in GRAD_DTYPES \
+                    or params_out.device.type != "cpu" or not params_out.is_contiguous():
+                raise ValueError(f"params_out: expected a contiguous CPU bf16/fp16/fp32 tensor of {self.numel} "
+                                 f"elements, got {params_out.dtype} {tuple(params_out.shape)} on {params_out.device}")
+        t_step = time.perf_counter()
+        stats = StepStats(tiers=[s.new_stats() for s in self.stores], host_limit_bytes=self.pool.limit_bytes)
+        if found_inf:
+            stats.skipped = True
+            self.last_step_stats = stats.as_dict()
+            return
+        for g in self.state:
+            self.state[g]["step"] += 1
+        order = iteration_order(len(self.plan), self._iteration, order=self.config.order,
+                                cache_order=self.config.cache_order)
+        stats.order = "ascending" if len(order) < 2 or order[0] < order[-1] else "descending"
+        self._iteration += 1
+        keep = kept_in_cache(order, self.cache_slots)
+        hyper = [self._hyper(g) for g in range(len(self.param_groups))]
+        errors = self._run_pipeline(order, keep, grads, params_out, hyper, inv_loss_scale, clip_coef,
+                                    on_subgroup_done, stats)
+        stats.step_s = time.perf_counter() - t_step
+        stats.peak_host_bytes = self.pool.peak_bytes
+        self.last_step_stats = stats.as_dict()
+        if errors:
+            sg, store, exc = errors[0]
+            raise TierIOError(
+                getattr(exc, "errno", 0) or 0,
+                f"flush of subgroup {sg.index} (elements [{sg.start}, {sg.end})) to tier {store.path} "
+                f"failed ({len(errors)} failed flushes this step: {exc}); the updated state is kept in host "
+                f"memory and the previous copy in {store.file_path} is intact", store.file_path) from exc
+
+    def read_range(self, start: int, end: int) -> dict[str, torch.Tensor]:
+        """fp32 CPU tensors ``param``, ``exp_avg``, ``exp_avg_sq`` of elements ``[start, end)``.
+
+        Streams subgroup by subgroup through one pool buffer (cached subgroups are copied from
+        host memory); only the returned tensors hold the range.
+        """
+        self._check_open()
+        out = {name: torch.empty(end - start, dtype=torch.float32) for name in STATE_NAMES}
+        for sg in self.plan.overlapping(start, end):
+            lo, hi = max(start, sg.start), min(end, sg.end)
+            with self._subgroup_buffer(sg) as views:
+                for name in STATE_NAMES:
+                    out[name][lo - start:hi - start].copy_(views[name][lo - sg.start:hi - sg.start])
+        return out
+
+    def write_range(self, start: int, end: int, param: torch.Tensor | None = None,
+                    exp_avg: torch.Tensor | None = None, exp_avg_sq: torch.Tensor | None = None) -> None:
+        """Overwrite state of elements ``[start, end)`` (each given tensor: ``end - start`` elements).
+
+        A subgroup only partly covered (or with some arrays not given) is read, modified and
+        written back; every write goes to the free slot (the old copy stays good until it is done).
+        """
+        self._check_open()
+        given = {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        for name, t in given.items():
+            if t is not None and t.numel() != end - start:
+                raise ValueError(f"write_range({start}, {end}): {name} has {t.numel()} elements, "
+                                 f"expected {end - start}")
+        for sg in self.plan.overlapping(start, end):
+            lo, hi = max(start, sg.start), min(end, sg.end)
+            whole = lo == sg.start and hi == sg.end and all(t is not None for t in given.values())
+            with self._subgroup_buffer(sg, load=not whole, write_back=True) as views:
+                for name, t in given.items():
+                    if t is not None:
+                        views[name][lo - sg.start:hi - sg.start].copy_(t.reshape(-1)[lo - start:hi - start])
+
+    def state_dict(self, chunk_params: int | None = None) -> dict:
+        """A layout-independent state: hyper-parameters, steps, and the state in flat chunks.
+
+        ``state`` is a list of ``LazyStateChunk`` covering ``[0, numel)`` in ``chunk_params``-element
+        pieces (default: the subgroup size). A chunk reads its tensors from the tiers only when
+        materialized (``chunk.materialize()``, or implicitly when pickled by ``torch.save``), so a
+        caller that streams the chunks holds one at a time. Trade-off: a lazy chunk reflects the
+        optimizer *when it is materialized*, so materialize (or save) before the next ``step``;
+        ``torch.save`` of the whole dict materializes every chunk at once (it keeps all storages
+        until the end), which is the caller's explicit choice.
+        """
+        self._check_open()
+        size = chunk_params or self.config.subgroup_params
+        chunks = [LazyStateChunk(self, a, min(a + size, self.numel)) for a in range(0, self.numel, size)]
+        return {
+            "format": STATE_DICT_FORMAT,
+            "numel": self.numel,
+            "group_ranges": [list(r) for r in self.plan.group_ranges],
+            "param_groups": [copy.deepcopy(dict(g)) for g in self.param_groups],
+            "steps": [self.state[g]["step"] for g in sorted(self.state)],
+            "iteration": self._iteration,
+            "state": chunks,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a ``state_dict`` from any OffloadAdam layout (subgroup size, tiers, placement).
+
+        Raises:
+            ValueError: the shard (numel, group ranges) differs or the format is unknown.
+        """
+        self._check_open()
+        if state_dict.get("format") != STATE_DICT_FORMAT:
+            raise ValueError(f"load_state_dict: unknown format {state_dict.get('format')!r}, "
+                             f"expected {STATE_DICT_FORMAT!r}")
+        ranges = [tuple(r) for r in state_dict["group_ranges"]]
+        if state_dict["numel"] != self.numel or ranges != list(self.plan.group_ranges):
+            raise ValueError(f"load_state_dict: saved shard has {state_dict['numel']} elements in groups "
+                             f"{ranges}, this optimizer has {self.numel} in {list(self.plan.group_ranges)}")
+        covered = 0
+        for chunk in sorted(state_dict["state"], key=_chunk_start):
+            data = chunk.materialize() if isinstance(chunk, LazyStateChunk) else chunk
+            if data["start"] != covered:
+                raise ValueError(f"load_state_dict: state chunks leave a gap at element {covered}")
+            self.write_range(data["start"], data["end"], data["param"], data["exp_avg"], data["exp_avg_sq"])
+            covered = data["end"]
+        if covered != self.numel:
+            raise ValueError(f"load_state_dict: state chunks cover [0, {covered}) of [0, {self.numel})")
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update(copy.deepcopy(saved))
+        for g, step in enumerate(state_dict["steps"]):
+            self.state[g]["step"] = int(step)
+        self._iteration = int(state_dict.get("iteration", 0))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients belong to the caller's flat buffer; nothing to do (torch optimizer protocol)."""
+
+    def close(self) -> None:
+        """Wait for in-flight I/O and remove the scratch files. Host-cached state is dropped."""
+        if self._closed:
+            return
+        self._closed = True
+        self._resident.clear()
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ the pipeline
+
+    def _run_pipeline(self, order, keep, grads, params_out, hyper, inv_loss_scale, clip_coef,
+                      on_subgroup_done, stats):
+        plan, pool, resident = self.plan, self.pool, self._resident
+        depth = self.config.prefetch_depth + 1      # fetched-or-fetching subgroups not yet computed
+        max_flushes = self.config.flush_depth
+        remaining = list(order)
+        fetching: dict[int, tuple] = {}              # idx -> (future, buffer)
+        flushing: dict = {}                          # future -> (subgroup, store, buffer)
+        errors: list = []
+        # Subgroups still to fetch, in order (cached ones need no fetch).
+        to_fetch = [i for i in order if i not in resident]
+        try:
+            while remaining:
+                # Issue fetches within the prefetch window and the buffer budget. Prefer the next
+                # subgroup whose tier is not waiting for its node token (another rank holds it):
+                # the order of independent subgroups does not change the result.
+                while to_fetch and len(fetching) < depth:
+                    idx = self._next_fetch(to_fetch, keep)
+                    buf = pool.try_acquire()
+                    if buf is None:
+                        break
+                    to_fetch.remove(idx)
+                    store = self._store_of[self.tier_of[idx]]
+                    fetching[idx] = (store.fetch(plan[idx], buf), buf)
+                self._reap(flushing, errors, block=False)
+                pick = self._first_ready(remaining, fetching)
+                if pick is None:
+                    t0 = time.perf_counter()
+                    waitables = [f for f, _ in fetching.values()] + list(flushing)
+                    if waitables:
+                        wait_futures(waitables, return_when=FIRST_COMPLETED)
+                        self._reap(flushing, errors, block=False)
+                    else:
+                        # Only retained (failed-flush) buffers hold the pool: go over budget rather than stall.
+                        idx = to_fetch.pop(0)
+                        store = self._store_of[self.tier_of[idx]]
+                        buf = pool.try_acquire(force=True)
+                        fetching[idx] = (store.fetch(plan[idx], buf), buf)
+                    stats.wait_s += time.perf_counter() - t0
+                    continue
+                remaining.remove(pick)
+                sg = plan[pick]
+                store = self._store_of[self.tier_of[pick]]
+                if pick in resident:
+                    buf = resident.pop(pick)
+                    stats.cache_hits += 1
+                    store.stats.add(cache_hits=1)
+                else:
+                    fut, buf = fetching.pop(pick)
+                    try:
+                        fut.result()
+                    except BaseException:
+                        pool.release(buf)
+                        raise
+                t0 = time.perf_counter()
+                self._update(sg, buf, grads, params_out, hyper[sg.group], inv_loss_scale, clip_coef, stats)
+                stats.compute_s += time.perf_counter() - t0
+                stats.subgroups += 1
+                if on_subgroup_done is not None:
+                    on_subgroup_done(sg.start, sg.end)
+                if pick in keep:
+                    resident[pick] = buf
+                    continue
+                t0 = time.perf_counter()
+                while len(flushing) >= max_flushes:
+                    self._reap(flushing, errors, block=True)
+                stats.wait_s += time.perf_counter() - t0
+                flushing[store.flush(sg, buf)] = (sg, store, buf)
+        finally:
+            # Never leave I/O running against buffers we are about to reuse.
+            for fut, buf in fetching.values():
+                try:
+                    fut.result()
+                except BaseException:
+                    pass
+                pool.release(buf)
+            t0 = time.perf_counter()
+            while flushing:
+                self._reap(flushing, errors, block=True)
+            stats.drain_s = time.perf_counter() - t0
+        return errors
+
+    def _next_fetch(self, to_fetch, keep):
+        """The next subgroup to fetch: the first in order, unless its tier's token is busy and a
+        later subgroup (not one that will stay cached) lives on a tier that is free."""
+        first = to_fetch[0]
+        if not self._store_of[self.tier_of[first]].token_busy:
+            return first
+        for idx in to_fetch[1:]:
+            if idx not in keep and not self._store_of[self.tier_of[idx]].token_busy:
+                return idx
+        return first
+
+    def _first_ready(self, remaining, fetching):
+        """Earliest subgroup of the order that can be computed now (resident or fetched)."""
+        for idx in remaining:
+            if idx in self._resident:
+                return idx
+            if idx in fetching and fetching[idx][0].done():
+                return idx
+        return None
+
+    def _reap(self, flushing, errors, block):
+        if not flushing:
+            return
+        if block:
+            wait_futures(list(flushing), return_when=FIRST_COMPLETED)
+        for fut in [f for f in flushing if f.done()]:
+            sg, store, buf = flushing.pop(fut)
+            exc = fut.exception()
+            if exc is None:
+                self.pool.release(buf)
+            else:
+                # The new state exists only in this buffer now: keep it (retried by the next step).
+                self._resident[sg.index] = buf
+                store.stats.add(flush_errors=1)
+                errors.append((sg, store, exc))
+                self.flush_errors.append(f"subgroup {sg.index} on {store.path}: {exc}")
+
+    def _update(self, sg: Subgroup, buf, grads, params_out, hyper, inv_loss_scale, clip_coef, stats):
+        from megatron_mlp.optim.fused_adam import fused_adam_step
+        views = _views(sg, buf)
+        grad = grads[sg.start:sg.end]
+        if not self.config.deferred_upcast and grad.dtype != torch.float32:
+            # The ablation: what stock offloading does -- a separate fp32 copy of the gradient.
+            t0 = time.perf_counter()
+            if self._upcast_buffer is None:
+                self._upcast_buffer = torch.empty(self.plan.subgroup_params, dtype=torch.float32)
+            upcast = self._upcast_buffer[:sg.numel]
+            upcast.copy_(grad)
+            grad = upcast
+            stats.upcast_s += time.perf_counter() - t0
+        out = params_out[sg.start:sg.end] if params_out is not None else None
+        fused_adam_step(views["param"], views["exp_avg"], views["exp_avg_sq"], grad, out,
+                        lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
+                        weight_decay=hyper["weight_decay"], step=hyper["step"],
+                        inv_loss_scale=float(inv_loss_scale), clip_coef=float(clip_coef))
+
+    def _hyper(self, g: int) -> dict:
+        group = self.param_groups[g]
+        beta1, beta2 = group["betas"]
+        return {"lr": float(group["lr"]), "weight_decay": float(group["weight_decay"]),
+                "beta1": float(beta1), "beta2": float(beta2), "eps": float(group["eps"]),
+                "step": int(self.state[g]["step"])}
+
+    # ------------------------------------------------------------------ helpers
+
+    def _write_initial(self, initial_params) -> None:
+        if initial_params is not None and not callable(initial_params):
+            t = initial_params
+            if not isinstance(t, torch.Tensor) or t.numel() != self.numel:
+                raise ConfigError(f"initial_params: expected a tensor of {self.numel} elements or a callable "
+                                  f"(start, end) -> tensor, got {type(t).__name__} "
+                                  f"{tuple(t.shape) if isinstance(t, torch.Tensor) else ''}")
+            flat = t.reshape(-1)
+            initial_params = lambda a, b: flat[a:b]  # noqa: E731
+        pending: dict = {}
+        try:
+            for sg in self.plan:
+                buf = self.pool.try_acquire()
+                while buf is None:
+                    self._reap_initial(pending, block=True)
+                    buf = self.pool.try_acquire()
+                views = _views(sg, buf)
+                buf.torch(torch.uint8)[: sg.region_bytes].zero_()
+                if initial_params is not None:
+                    src = initial_params(sg.start, sg.end)
+                    if src.numel() != sg.numel:
+                        raise ConfigError(f"initial_params({sg.start}, {sg.end}) returned {src.numel()} elements")
+                    views["param"].copy_(src.reshape(-1))
+                store = self._store_of[self.tier_of[sg.index]]
+                pending[store.flush(sg, buf)] = buf
+        finally:
+            while pending:
+                self._reap_initial(pending, block=True)
+
+    def _reap_initial(self, pending, block):
+        if block:
+            wait_futures(list(pending), return_when=FIRST_COMPLETED)
+        for fut in [f for f in pending if f.done()]:
+            self.pool.release(pending.pop(fut))
+            fut.result()
+
+    def _subgroup_buffer(self, sg: Subgroup, load: bool = True, write_back: bool = False):
+        return _SubgroupAccess(self, sg, load, write_back)
+
+    def _check_grads(self, grads) -> None:
+        if not isinstance(grads, torch.Tensor) or grads.dtype not in GRAD_DTYPES or grads.device.type != "cpu" \
+                or grads.numel() != self.numel or not grads.is_contiguous():
+            desc = (f"{grads.dtype} {tuple(grads.shape)} on {grads.device}" if isinstance(grads, torch.Tensor)
+                    else type(grads).__name__)
+            raise ValueError(f"grads: expected a contiguous CPU bf16/fp16/fp32 tensor of {self.numel} "
+                             f"elements, got {desc}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("OffloadAdam is closed")
+
+
+class _SubgroupAccess:
+    """Context manager: fp32 views of a subgroup's p/m/v, from the cache or read from its tier."""
+
+    def __init__(self, opt: OffloadAdam, sg: Subgroup, load: bool, write_back: bool):
+        self.opt, self.sg, self.load, self.write_back = opt, sg, load, write_back
+        self.buf = None
+        self.owned = False
+
+    def __enter__(self):
+        opt, sg = self.opt, self.sg
+        if sg.index in opt._resident:
+            self.buf = opt._resident[sg.index]
+            return _views(sg, self.buf)
+        self.buf = opt.pool.try_acquire() or opt.pool.try_acquire(force=True)
+        self.owned = True
+        try:
+            store = opt._store_of[opt.tier_of[sg.index]]
+            if self.load:
+                store.read_now(sg, self.buf)
+            else:
+                self.buf.torch(torch.uint8)[: sg.region_bytes].zero_()
+        except BaseException:
+            opt.pool.release(self.buf)
+            raise
+        return _views(sg, self.buf)
+
+    def __exit__(self, exc_type, exc, tb):
+        if not self.owned:
+            return False  # resident: modified in place, flushed when the pipeline evicts it
+        opt, sg = self.opt, self.sg
+        if exc_type is None and self.write_back:
+            store = opt._store_of[opt.tier_of[sg.index]]
+            try:
+                store.write_now(sg, self.buf)
+            except BaseException as e:
+                opt._resident[sg.index] = self.buf   # keep the only copy of the new data
+                raise TierIOError(getattr(e, "errno", 0) or 0,
+                                  f"writing subgroup {sg.index} to tier {store.path} failed; the new state is "
+                                  f"kept in host memory and the previous copy is intact", store.file_path) from e
+        opt.pool.release(self.buf)
+        return False
+
+
+class LazyStateChunk:
+    """Elements ``[start, end)`` of an optimizer's state, read from the tiers only when materialized."""
+
+    def __init__(self, opt: OffloadAdam, start: int, end: int):
+        self._opt, self.start, self.end = opt, start, end
+
+    def materialize(self) -> dict:
+        data = self._opt.read_range(self.start, self.end)
+        return {"start": self.start, "end": self.end, **data}
+
+    def __reduce__(self):
+        # torch.save / pickle store the data, not the optimizer.
+        return (dict, (self.materialize(),))
+
+    def __repr__(self) -> str:
+        return f"LazyStateChunk([{self.start}, {self.end}))"
+
+
+def _chunk_start(chunk) -> int:
+    return chunk.start if isinstance(chunk, LazyStateChunk) else int(chunk["start"])
+
+
+def _views(sg: Subgroup, buf) -> dict[str, torch.Tensor]:
+    f = buf.torch(torch.float32)
+    n, pn = sg.numel, sg.padded_numel
+    return {"param": f[0:n], "exp_avg": f[pn:pn + n], "exp_avg_sq": f[2 * pn:2 * pn + n]}
+
+
+def _close_stores(stores) -> None:
+    for store in stores:
+        try:
+            store.close(remove=True)
+        except Exception:  # noqa: BLE001 -- best effort at interpreter exit; close() reports errors itself
+            pass
+    stores.clear()
+
+
+def _default_engine_factory(config):
+    def make(spec):
+        from megatron_mlp.engine import Engine
+        qos = int(spec.qos_bytes_per_s or 0)
+        return Engine(backend=config.backend, block_bytes=config.block_bytes, queue_depth=config.queue_depth,
+                      num_threads=config.io_threads, read_limit_bytes_per_s=qos, write_limit_bytes_per_s=qos)
+    return make
+
+
+def _default_token_factory(config):
+    def make(spec):
+        if not config.use_tokens:
+            return None
+        from megatron_mlp.tier import TierToken
+        return TierToken(spec.path, slots=config.tokens_per_tier)
+    return make

@@ -1,0 +1,537 @@
+"""Bandwidth-proportional placement of subgroups over the storage tiers (design principle 1).
+
+Pure Python, no I/O. The model, per tier ``j`` and per optimizer step:
+
+* The tier's node bandwidth (read ``R_j``, write ``W_j``, bytes/s) is shared by the ``n_j`` ranks of
+  the node that use it: tier tokens serialize them, so one rank's I/O on the tier takes ``n_j`` times
+  as long as on an idle tier. Every rank is assumed to have the same layout (they hold equal shards).
+* Per rank, the subgroups placed on ``j`` read ``r_j`` and write ``w_j`` bytes per step. If the device
+  has one limit for reads and writes together (``shared_rw_limit``, e.g. a virtio disk, most single
+  SSDs under mixed load) the tier is busy ``n_j * (r_j/R_j + w_j/W_j)``; if reads and writes have
+  separate limits (full-duplex network file systems) ``n_j * max(r_j/R_j, w_j/W_j)``.
+* The host cache, two models. ``resident``: the cached subgroups stay in host memory and move no
+  bytes (which ones is the optimizer's decision; by default the ones an ascending pass ends with, as
+  many as fit the budget). ``alternate``: the steady state of the alternating ascending/descending
+  order -- each iteration the subgroups the cache holds at its start are updated first without a
+  read and written out later, and the ones updated last stay cached without a write; head and tail
+  swap roles every iteration, so a tier's time is that of its slower iteration. Either way cached
+  subgroups keep a home on a tier (they are flushed on eviction), so they count against capacity.
+* The update's I/O time is the slowest tier's time; all tiers should finish together.
+
+Assignment: greedy longest-processing-time first (largest movers first, each onto the tier whose
+finish time grows least, respecting capacity), then local improvement (move or swap subgroups off
+the bottleneck tier while that lowers the maximum). The lower bound is the fluid optimum: bytes are
+divisible and capacity respected, ``T* = min T  s.t.  sum_j min(rate_j * T, capacity_j) >= bytes``.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from megatron_mlp.errors import ConfigError, TierCapacityError
+
+_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class PlacementTier:
+    """One tier as the placement model sees it.
+
+    Attributes:
+        path: the storage path (for messages and tables).
+        read_bytes_per_s, write_bytes_per_s: the tier's node-level bandwidth (all ranks together).
+        capacity_bytes: bytes the node may use on this tier (all ranks together); None = unlimited.
+        shared_rw_limit: reads and writes share one bandwidth limit (time adds) or not (time overlaps).
+        ranks_sharing: ranks of the node using this tier; None = the ``ranks_per_node`` of the plan.
+        device: the physical tier key (for tables only).
+        bandwidth_source: where the bandwidth came from: "declared", "measured" or "default".
+    """
+
+    path: str
+    read_bytes_per_s: float
+    write_bytes_per_s: float
+    capacity_bytes: int | None = None
+    shared_rw_limit: bool = True
+    ranks_sharing: int | None = None
+    device: str | None = None
+    bandwidth_source: str = "declared"
+
+    def __post_init__(self) -> None:
+        for name in ("read_bytes_per_s", "write_bytes_per_s"):
+            value = getattr(self, name)
+            if value is None or not (value > 0) or math.isinf(value):
+                raise ConfigError(f"--mlp-offload-paths: {self.path}: {name}={value!r} must be a positive "
+                                  "finite bandwidth (declare bw= or calibrate the path)")
+        if self.capacity_bytes is not None and self.capacity_bytes < 0:
+            raise ConfigError(f"--mlp-offload-paths: {self.path}: capacity {self.capacity_bytes} is negative")
+        if self.ranks_sharing is not None and self.ranks_sharing < 1:
+            raise ConfigError(f"{self.path}: ranks_sharing={self.ranks_sharing} must be >= 1")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The result of :func:`plan_placement`. All byte and time figures are per rank and per step,
+    with the tier's bandwidth divided among the ranks sharing it (so the times are wall-clock).
+
+    Attributes:
+        tiers: the tiers, in input order.
+        tier_of: tier index of each subgroup (input order preserved).
+        cached: whether each subgroup stays in the host cache (moves no bytes).
+        subgroup_bytes: stored bytes of each subgroup.
+        tier_bytes: stored bytes per tier (per rank; counts cached subgroups' homes).
+        tier_read_bytes, tier_write_bytes: bytes moved per step per tier (per rank).
+        tier_seconds: predicted I/O seconds per tier per step.
+        total_seconds: predicted update-phase I/O time (slowest tier).
+        lower_bound_seconds: fluid optimum for the same bytes, bandwidths and capacities.
+        ranks_per_node: the plan's default number of ranks sharing a tier.
+        host_cache_bytes: the host-cache budget given; cached_bytes: how much of it is used.
+    """
+
+    tiers: tuple[PlacementTier, ...]
+    tier_of: tuple[int, ...]
+    cached: tuple[bool, ...]
+    subgroup_bytes: tuple[int, ...]
+    tier_bytes: tuple[int, ...]
+    tier_read_bytes: tuple[int, ...]
+    tier_write_bytes: tuple[int, ...]
+    tier_seconds: tuple[float, ...]
+    total_seconds: float
+    lower_bound_seconds: float
+    ranks_per_node: int
+    host_cache_bytes: int = 0
+    cached_bytes: int = 0
+    notes: tuple[str, ...] = field(default=())
+    cache_model: str = "resident"
+
+    @property
+    def num_subgroups(self) -> int:
+        return len(self.tier_of)
+
+    def subgroups_on(self, tier: int) -> list[int]:
+        """Subgroup indices stored on ``tier`` (ascending)."""
+        return [i for i, t in enumerate(self.tier_of) if t == tier]
+
+    def cached_subgroups(self) -> list[int]:
+        return [i for i, c in enumerate(self.cached) if c]
+
+    @property
+    def efficiency(self) -> float:
+        """lower bound / predicted time (1.0 = the fluid optimum)."""
+        return 1.0 if self.total_seconds <= 0 else self.lower_bound_seconds / self.total_seconds
+
+    def to_dict(self) -> dict:
+        tiers = []
+        for j, t in enumerate(self.tiers):
+            tiers.append({
+                "path": t.path, "device": t.device,
+                "read_bytes_per_s": t.read_bytes_per_s, "write_bytes_per_s": t.write_bytes_per_s,
+                "bandwidth_source": t.bandwidth_source, "shared_rw_limit": t.shared_rw_limit,
+                "capacity_bytes": t.capacity_bytes,
+                "ranks_sharing": t.ranks_sharing or self.ranks_per_node,
+                "subgroups": self.subgroups_on(j),
+                "num_subgroups": len(self.subgroups_on(j)),
+                "stored_bytes": self.tier_bytes[j],
+                "read_bytes": self.tier_read_bytes[j], "write_bytes": self.tier_write_bytes[j],
+                "predicted_seconds": self.tier_seconds[j],
+            })
+        return {
+            "tiers": tiers,
+            "tier_of": list(self.tier_of),
+            "cached_subgroups": self.cached_subgroups(),
+            "host_cache_bytes": self.host_cache_bytes,
+            "cached_bytes": self.cached_bytes,
+            "cache_model": self.cache_model,
+            "ranks_per_node": self.ranks_per_node,
+            "predicted_seconds": self.total_seconds,
+            "lower_bound_seconds": self.lower_bound_seconds,
+            "efficiency": self.efficiency,
+            "notes": list(self.notes),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def format_table(self) -> str:
+        """A human-readable table: one row per tier, then the total and the lower bound."""
+        header = ("tier", "path", "device", "read GB/s", "write GB/s", "bw from", "r/w limit",
+                  "subgroups", "stored", "moved/step", "I/O per step")
+        rows = []
+        for j, t in enumerate(self.tiers):
+            rows.append((str(j), t.path, t.device or "-", f"{t.read_bytes_per_s / 1e9:.2f}",
+                         f"{t.write_bytes_per_s / 1e9:.2f}", t.bandwidth_source,
+                         "shared" if t.shared_rw_limit else "separate",
+                         str(len(self.subgroups_on(j))), human_bytes(self.tier_bytes[j]),
+                         human_bytes(self.tier_read_bytes[j] + self.tier_write_bytes[j]),
+                         human_seconds(self.tier_seconds[j])))
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+        fmt = "  ".join(f"{{:<{w}}}" if i < 3 or i == 5 or i == 6 else f"{{:>{w}}}" for i, w in enumerate(widths))
+        lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+        lines += [fmt.format(*r) for r in rows]
+        lines.append("")
+        lines.append(f"ranks per node: {self.ranks_per_node} (a tier's bandwidth is shared by the ranks using it)")
+        if self.cache_model == "alternate":
+            lines.append(f"host cache: {human_bytes(self.cached_bytes)} of a {human_bytes(self.host_cache_bytes)} "
+                         f"budget per rank; alternating order: {len(self.cached_subgroups())} subgroups at the ends "
+                         "skip a read or a write every iteration")
+        else:
+            lines.append(f"host cache: {len(self.cached_subgroups())} subgroups, {human_bytes(self.cached_bytes)} "
+                         f"of a {human_bytes(self.host_cache_bytes)} budget per rank (move no bytes)")
+        lines.append("sizes are per rank; times are wall-clock per step with all ranks of the node")
+        lines.append(f"predicted update I/O per step: {human_seconds(self.total_seconds)} (slowest tier)")
+        lines.append(f"lower bound (fluid, capacity-aware): {human_seconds(self.lower_bound_seconds)} "
+                     f"-> plan at {100 * self.efficiency:.1f}% of optimum")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def human_bytes(n: float) -> str:
+    """1234567 -> '1.23 MB' (decimal units, as bandwidths are quoted)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def human_seconds(s: float) -> str:
+    if s == 0:
+        return "0 s"
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} us"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s:.3f} s"
+
+
+def _as_pairs(moved_bytes, subgroup_bytes: Sequence[int]) -> list[tuple[int, int]]:
+    """Normalize ``moved_bytes``: None -> each subgroup reads and writes its whole state; an int or a
+    sequence of ints -> that many bytes read AND that many written; a sequence of (read, write) pairs."""
+    n = len(subgroup_bytes)
+    if moved_bytes is None:
+        return [(int(b), int(b)) for b in subgroup_bytes]
+    if isinstance(moved_bytes, (int, float)):
+        return [(int(moved_bytes), int(moved_bytes))] * n
+    moved = list(moved_bytes)
+    if len(moved) != n:
+        raise ConfigError(f"moved_bytes has {len(moved)} entries for {n} subgroups")
+    out = []
+    for m in moved:
+        if isinstance(m, (tuple, list)):
+            r, w = int(m[0]), int(m[1])
+        else:
+            r = w = int(m)
+        if r < 0 or w < 0:
+            raise ConfigError(f"moved_bytes entry {m!r} is negative")
+        out.append((r, w))
+    return out
+
+
+def default_cached_subgroups(subgroup_bytes: Sequence[int], host_cache_bytes: int) -> list[int]:
+    """The subgroups an ascending pass leaves in a host cache of ``host_cache_bytes``: the last ones,
+    as many as fit whole (the alternating order then updates them first, without I/O)."""
+    chosen, used = [], 0
+    for i in range(len(subgroup_bytes) - 1, -1, -1):
+        if used + subgroup_bytes[i] > host_cache_bytes:
+            break
+        chosen.append(i)
+        used += subgroup_bytes[i]
+    return sorted(chosen)
+
+
+class _Model:
+    """Per-tier time as a function of the bytes moved, with the ranks' share of bandwidth."""
+
+    def __init__(self, tiers: Sequence[PlacementTier], ranks_per_node: int):
+        self.n = len(tiers)
+        self.inv_r = [(t.ranks_sharing or ranks_per_node) / t.read_bytes_per_s for t in tiers]
+        self.inv_w = [(t.ranks_sharing or ranks_per_node) / t.write_bytes_per_s for t in tiers]
+        self.shared = [t.shared_rw_limit for t in tiers]
+        ranks = [t.ranks_sharing or ranks_per_node for t in tiers]
+        # Capacity is a node figure; each rank has the same layout, so it may use 1/ranks of it.
+        self.cap = [math.inf if t.capacity_bytes is None else t.capacity_bytes // r for t, r in zip(tiers, ranks)]
+
+    def time(self, j: int, r: float, w: float) -> float:
+        a, b = r * self.inv_r[j], w * self.inv_w[j]
+        return a + b if self.shared[j] else max(a, b)
+
+
+def _lower_bound(model: _Model, moves: list[tuple[int, int]], sizes: list[int]) -> float:
+    """Fluid optimum of one iteration: bytes divisible in the aggregate read:write mix, each tier
+    filled up to its capacity (homes of subgroups that move nothing are ignored: a relaxation, so
+    still a lower bound)."""
+    movers = [i for i in range(len(moves)) if moves[i] != (0, 0)]
+    total_r = sum(moves[i][0] for i in movers)
+    total_w = sum(moves[i][1] for i in movers)
+    total = total_r + total_w
+    if total == 0:
+        return 0.0
+    stored = sum(sizes[i] for i in movers)
+    a = total_r / total
+    # Per "moved byte" unit: time on tier j and the stored bytes it brings along.
+    unit_time = [model.time(j, a, 1.0 - a) for j in range(model.n)]
+    stored_per_unit = stored / total
+    caps_units = [math.inf if stored_per_unit == 0 else model.cap[j] / stored_per_unit for j in range(model.n)]
+    # sum_j min(T / unit_time_j, caps_j) >= total; piecewise linear in T: break points T_j = caps_j*unit_time_j.
+    breaks = sorted(range(model.n), key=lambda j: caps_units[j] * unit_time[j])
+    saturated = 0.0
+    rate = sum(1.0 / u for u in unit_time)
+    for j in breaks:
+        t_break = caps_units[j] * unit_time[j]
+        # Before tier j saturates: bytes(T) = saturated + rate * T.
+        t_needed = (total - saturated) / rate if rate > 0 else math.inf
+        if t_needed <= t_break:
+            return t_needed
+        saturated += caps_units[j]
+        rate -= 1.0 / unit_time[j]
+    return math.inf  # does not fit at all (plan_placement raises before this matters)
+
+
+CACHE_MODELS = ("resident", "alternate")
+
+
+def _cache_sets(sizes, moves, host_cache_bytes, cached_subgroups, cache_model):
+    """Per-iteration moves (one list per iteration parity) and the subgroups the cache serves."""
+    n = len(sizes)
+    if cache_model not in CACHE_MODELS:
+        raise ConfigError(f"cache_model={cache_model!r} is not one of {', '.join(CACHE_MODELS)}")
+    if cache_model == "alternate":
+        if cached_subgroups is not None:
+            raise ConfigError("cached_subgroups is for cache_model='resident'; 'alternate' derives both sets "
+                              "from the budget")
+        tail = set(default_cached_subgroups(sizes, host_cache_bytes))
+        head = set(n - 1 - i for i in default_cached_subgroups(sizes[::-1], host_cache_bytes))
+        # Iteration after an ascending pass (cache holds the tail): the tail is updated first without
+        # a read and written out later; the head is read, updated last and stays (no write). The next
+        # iteration swaps the roles.
+        def parity(hits, kept):
+            return [(0 if i in hits else r, 0 if i in kept else w) for i, (r, w) in enumerate(moves)]
+        used = max(sum(sizes[i] for i in tail), sum(sizes[i] for i in head))
+        return [parity(tail, head), parity(head, tail)], tail | head, used
+    if cached_subgroups is None:
+        cached = set(default_cached_subgroups(sizes, host_cache_bytes))
+    else:
+        cached = set(int(i) for i in cached_subgroups)
+        if any(i < 0 or i >= n for i in cached):
+            raise ConfigError(f"cached subgroup index out of range 0..{n - 1}")
+        used = sum(sizes[i] for i in cached)
+        if used > host_cache_bytes:
+            raise ConfigError(f"--mlp-offload-host-cache: the cached subgroups need {used} bytes, "
+                              f"the budget is {host_cache_bytes}")
+    return [[(0, 0) if i in cached else m for i, m in enumerate(moves)]], cached, sum(sizes[i] for i in cached)
+
+
+class _State:
+    """Per-tier sums for every iteration parity; a tier's time is its slowest parity."""
+
+    def __init__(self, model: _Model, pmoves, sizes):
+        self.model, self.pmoves, self.sizes = model, pmoves, sizes
+        self.P = len(pmoves)
+        self.stored = [0] * model.n
+        self.rd = [[0] * model.n for _ in range(self.P)]
+        self.wr = [[0] * model.n for _ in range(self.P)]
+        self.times = [0.0] * model.n
+
+    def time_with(self, j: int, add=(), remove=()) -> float:
+        worst = 0.0
+        for p in range(self.P):
+            r, w = self.rd[p][j], self.wr[p][j]
+            for i in add:
+                r += self.pmoves[p][i][0]
+                w += self.pmoves[p][i][1]
+            for i in remove:
+                r -= self.pmoves[p][i][0]
+                w -= self.pmoves[p][i][1]
+            worst = max(worst, self.model.time(j, r, w))
+        return worst
+
+    def put(self, i: int, j: int) -> None:
+        self.stored[j] += self.sizes[i]
+        for p in range(self.P):
+            self.rd[p][j] += self.pmoves[p][i][0]
+            self.wr[p][j] += self.pmoves[p][i][1]
+        self.times[j] = self.time_with(j)
+
+    def take(self, i: int, j: int) -> None:
+        self.stored[j] -= self.sizes[i]
+        for p in range(self.P):
+            self.rd[p][j] -= self.pmoves[p][i][0]
+            self.wr[p][j] -= self.pmoves[p][i][1]
+        self.times[j] = self.time_with(j)
+
+    def worst_parity(self, j: int) -> int:
+        return max(range(self.P), key=lambda p: self.model.time(j, self.rd[p][j], self.wr[p][j]))
+
+
+def plan_placement(subgroup_bytes: Sequence[int],
+                   moved_bytes=None,
+                   tiers: Sequence[PlacementTier] = (),
+                   ranks_per_node: int = 1,
+                   host_cache_bytes: int = 0,
+                   cached_subgroups: Iterable[int] | None = None,
+                   improve: bool = True,
+                   cache_model: str = "resident") -> Placement:
+    """Assign each subgroup to a tier so that all tiers finish their per-step I/O together.
+
+    Args:
+        subgroup_bytes: stored bytes of each subgroup's state (fp32 param + m + v: 12 B/param).
+        moved_bytes: bytes each subgroup moves per step: None (reads and writes its whole state),
+            an int or a sequence of ints (read = write = value) or of (read_bytes, write_bytes).
+        tiers: :class:`PlacementTier` per storage path (node-level bandwidth and capacity).
+        ranks_per_node: ranks of the node that share each tier (unless a tier says otherwise).
+        host_cache_bytes: per-rank host-cache budget.
+        cached_subgroups: ('resident' only) which subgroups the cache holds (default: the last ones
+            that fit).
+        improve: run the local-improvement pass after the greedy assignment.
+        cache_model: 'resident': the cached subgroups stay in host memory and move no bytes.
+            'alternate': the steady state of the alternating ascending/descending order with a cache
+            of ``host_cache_bytes``: in each iteration the subgroups the cache holds at its start are
+            updated first without a read (and written out later), the ones updated last stay cached
+            without a write; the two sets (tail and head) swap roles every iteration, and a tier's
+            time is that of its slower iteration.
+
+    Returns:
+        A :class:`Placement`.
+
+    Raises:
+        ConfigError: inconsistent inputs (no tiers, negative sizes, cache set over budget).
+        TierCapacityError: the subgroups do not fit on the tiers; says how many bytes are missing
+            and which tiers are full.
+    """
+    sizes = [int(s) for s in subgroup_bytes]
+    tiers = tuple(tiers)
+    if not tiers:
+        raise ConfigError("--mlp-offload-paths: no tier to place the optimizer state on")
+    if ranks_per_node < 1:
+        raise ConfigError(f"ranks_per_node={ranks_per_node} must be >= 1")
+    if any(s < 0 for s in sizes):
+        raise ConfigError("subgroup sizes must be non-negative")
+    if host_cache_bytes < 0:
+        raise ConfigError(f"--mlp-offload-host-cache: {host_cache_bytes} must be >= 0")
+    moves = _as_pairs(moved_bytes, sizes)
+    n = len(sizes)
+    pmoves, cached, cached_bytes = _cache_sets(sizes, moves, host_cache_bytes, cached_subgroups, cache_model)
+    model = _Model(tiers, ranks_per_node)
+    _check_total_capacity(tiers, model, sizes)
+
+    st = _State(model, pmoves, sizes)
+    cost = [sum(pm[i][0] + pm[i][1] for pm in pmoves) for i in range(n)]
+    tier_of = [-1] * n
+    # LPT: the biggest movers first (ties: bigger state, then lower index -- deterministic);
+    # subgroups that never move (resident in the cache) last, each onto the tier with most room left.
+    order = sorted(range(n), key=lambda i: (cost[i] == 0, -cost[i], -sizes[i], i))
+    unplaced = []
+    for i in order:
+        best, best_key = -1, None
+        for j in range(model.n):
+            if st.stored[j] + sizes[i] > model.cap[j]:
+                continue
+            if cost[i] == 0:
+                key = (-(model.cap[j] - st.stored[j] - sizes[i]), j)
+            else:
+                t_new = st.time_with(j, add=(i,))
+                key = (t_new, t_new - st.times[j], j)
+            if best_key is None or key < best_key:
+                best, best_key = j, key
+        if best < 0:
+            unplaced.append(i)
+            continue
+        tier_of[i] = best
+        st.put(i, best)
+    if unplaced:
+        _raise_capacity(tiers, model, sizes, st.stored, unplaced)
+    if improve and model.n > 1:
+        _improve(st, cost, tier_of)
+
+    lower = max(_lower_bound(model, pm, sizes) for pm in pmoves)
+    notes = []
+    if any(t.bandwidth_source.startswith("default") for t in tiers):
+        notes.append("some bandwidths are a default assumption (neither declared nor calibrated)")
+    smallest = min((s for i, s in enumerate(sizes) if cost[i]), default=0)
+    for j, t in enumerate(tiers):
+        if smallest and model.cap[j] < smallest:
+            notes.append(f"{t.path}: its capacity per rank ({int(model.cap[j])} bytes) holds no whole subgroup "
+                         f"({smallest} bytes); use smaller subgroups to make use of it")
+    worst = [st.worst_parity(j) for j in range(model.n)]
+    return Placement(
+        tiers=tiers, tier_of=tuple(tier_of), cached=tuple(i in cached for i in range(n)),
+        subgroup_bytes=tuple(sizes), tier_bytes=tuple(st.stored),
+        tier_read_bytes=tuple(st.rd[worst[j]][j] for j in range(model.n)),
+        tier_write_bytes=tuple(st.wr[worst[j]][j] for j in range(model.n)),
+        tier_seconds=tuple(st.times), total_seconds=max(st.times),
+        lower_bound_seconds=min(lower, max(st.times)), ranks_per_node=ranks_per_node,
+        host_cache_bytes=host_cache_bytes, cached_bytes=cached_bytes, notes=tuple(notes),
+        cache_model=cache_model)
+
+
+def _check_total_capacity(tiers, model: _Model, sizes: list[int]) -> None:
+    total = sum(sizes)
+    cap = sum(model.cap)
+    if total > cap:
+        full = ", ".join(f"{t.path} ({model.cap[j]} bytes per rank)" for j, t in enumerate(tiers)
+                         if model.cap[j] != math.inf)
+        raise TierCapacityError(
+            f"--mlp-offload-paths: the optimizer state needs {total} bytes per rank but the tiers hold "
+            f"{int(cap)}: {total - int(cap)} bytes missing per rank; full tiers: {full}. Add a path, "
+            "raise cap=, or use fewer/larger ranks per node.")
+
+
+def _raise_capacity(tiers, model: _Model, sizes, stored, unplaced) -> None:
+    missing = sum(sizes[i] for i in unplaced)
+    full = ", ".join(f"{t.path} ({stored[j]} of {int(model.cap[j])} bytes used, {int(model.cap[j]) - stored[j]} free)"
+                     for j, t in enumerate(tiers))
+    raise TierCapacityError(
+        f"--mlp-offload-paths: {len(unplaced)} subgroups ({missing} bytes per rank) do not fit whole in "
+        f"the room left on the tiers: {missing} bytes missing; tiers: {full}. Use smaller subgroups "
+        "(--mlp-offload-subgroup-size), raise cap=, or add a path.")
+
+
+def _improve(st: _State, cost, tier_of, max_rounds: int = 10_000) -> None:
+    """Move or swap subgroups off the bottleneck tier while that lowers the max finish time."""
+    model, sizes = st.model, st.sizes
+
+    def kind(i):
+        return (tuple(pm[i] for pm in st.pmoves), sizes[i])
+
+    def kinds_on(j):
+        # Distinct kinds only: most subgroups have the same size, so this keeps the pass cheap.
+        out = {}
+        for i, t in enumerate(tier_of):
+            if t == j and cost[i]:
+                out.setdefault(kind(i), i)
+        return out
+
+    for _ in range(max_rounds):
+        b = max(range(model.n), key=lambda j: st.times[j])
+        current = st.times[b]
+        limit = current * (1 - 1e-9) - _EPS
+        best = None  # (new max of the pair, i, j, k): move i from b to j, k = swap partner or -1
+        on_b = kinds_on(b)
+        for j in range(model.n):
+            if j == b:
+                continue
+            on_j = kinds_on(j)
+            for i in on_b.values():
+                if st.stored[j] + sizes[i] <= model.cap[j]:
+                    pair = max(st.time_with(b, remove=(i,)), st.time_with(j, add=(i,)))
+                    if pair < limit and (best is None or pair < best[0]):
+                        best = (pair, i, j, -1)
+                for k in on_j.values():
+                    if kind(k) == kind(i):
+                        continue  # swapping identical kinds changes nothing
+                    if (st.stored[j] - sizes[k] + sizes[i] > model.cap[j]
+                            or st.stored[b] - sizes[i] + sizes[k] > model.cap[b]):
+                        continue
+                    pair = max(st.time_with(b, add=(k,), remove=(i,)), st.time_with(j, add=(i,), remove=(k,)))
+                    if pair < limit and (best is None or pair < best[0]):
+                        best = (pair, i, j, k)
+        if best is None:
+            return
+        _, i, j, k = best
+        st.take(i, b)
+        st.put(i, j)
+        tier_of[i] = j
+        if k >= 0:
+            st.take(k, j)
+            st.put(k, b)
+            tier_of[k] = b

@@ -1,0 +1,80 @@
+"""crc32c: the standard Castagnoli CRC, identical across implementations, on any host buffer."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_mlp import _C
+from megatron_mlp.optim.checksum import crc32c, crc32c_impl
+
+IMPLS = ["software", "sse42", "auto"]
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+    if request.param == "sse42" and not _C.crc32c_isa_supported("sse42"):
+        pytest.skip("this CPU has no SSE4.2 crc32 instruction")
+    return request.param
+
+
+@pytest.mark.parametrize("data, expected", [
+    (b"123456789", 0xE3069283),
+    (b"", 0x00000000),
+    (b"a", 0xC1D04330),
+    (bytes(32), 0x8A9136AA),                 # RFC 3720 B.4
+    (b"\xff" * 32, 0x62A8AB43),
+    (bytes(range(32)), 0x46DD794E),
+    (bytes(range(31, -1, -1)), 0x113FDB5C),
+])
+def test_crc32c_matches_published_vectors_when_given_known_inputs(impl, data, expected):
+    assert crc32c(data, impl=impl) == expected
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 255, 256 * 3, 256 * 3 + 5, 8192 * 3, 8192 * 3 * 2 + 256 * 3 + 13])
+@pytest.mark.parametrize("offset", [0, 1, 5])
+def test_hardware_and_software_agree_when_lengths_cross_interleave_blocks(n, offset):
+    if not _C.crc32c_isa_supported("sse42"):
+        pytest.skip("this CPU has no SSE4.2 crc32 instruction")
+    data = np.random.default_rng(n).integers(0, 256, n + offset, dtype=np.uint8)[offset:]
+    assert crc32c(data, impl="sse42") == crc32c(data, impl="software")
+
+
+def test_seed_chains_checksums_when_buffer_is_split(impl):
+    data = np.random.default_rng(1).integers(0, 256, 100_000, dtype=np.uint8).tobytes()
+    whole = crc32c(data, impl=impl)
+    for cut in (0, 1, 4096, 99_999):
+        assert crc32c(data[cut:], seed=crc32c(data[:cut], impl=impl), impl=impl) == whole
+
+
+def test_tensor_and_bytes_of_same_memory_give_same_checksum_when_dtype_differs():
+    t = torch.randn(12_345)
+    expected = crc32c(t.numpy().tobytes())
+    assert crc32c(t) == expected
+    assert crc32c(t.view(torch.bfloat16)) == expected
+    assert crc32c(t.numpy()) == expected
+    assert crc32c(memoryview(t.numpy())) == expected
+
+
+def test_single_bit_flip_changes_checksum_when_data_is_corrupted():
+    data = bytearray(np.random.default_rng(2).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())
+    before = crc32c(data)
+    data[123_457] ^= 0x10
+    assert crc32c(data) != before
+
+
+def test_bad_buffers_are_rejected_with_reason_when_not_contiguous_or_not_buffers():
+    with pytest.raises(ValueError, match=r"tensor must be contiguous"):
+        crc32c(torch.zeros(16)[::2])
+    with pytest.raises(ValueError, match=r"buffer must be contiguous"):
+        crc32c(np.zeros(16)[::2])
+    with pytest.raises(TypeError, match=r"got list"):
+        crc32c([1, 2, 3])
+    with pytest.raises(ValueError, match=r"seed must be an unsigned 32-bit value, got -1"):
+        crc32c(b"x", seed=-1)
+    with pytest.raises(ValueError, match=r"must be 'auto', 'sse42' or 'software', got 'fast'"):
+        crc32c(b"x", impl="fast")
+
+
+def test_impl_report_names_the_path_when_queried():
+    assert crc32c_impl() in ("sse42", "software")

@@ -1,0 +1,321 @@
+"""fused_adam_step: bit-identical to torch.optim.AdamW (fp32, single tensor) on every kernel path."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from megatron_mlp import _C
+from megatron_mlp.optim import fused_adam as fa
+
+ISAS = ["scalar", "avx2", "avx512"]
+GRAD_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    name = request.param
+    if not _C.isa_supported(name):
+        pytest.skip(f"this CPU cannot run the {name} kernel path")
+    previous = fa.kernel_isa()
+    fa.set_kernel_isa(name)
+    yield name
+    fa.set_kernel_isa(previous)
+
+
+def torch_adamw(param0, grads, *, lr, betas, eps, weight_decay, inv_loss_scale=1.0, clip_coef=1.0):
+    """The oracle: torch's single-tensor AdamW on grad.float(), unscaled then clipped in fp32."""
+    p = param0.clone()
+    opt = torch.optim.AdamW([p], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                            foreach=False, fused=False)
+    for g in grads:
+        g32 = g.float().clone()  # .float() of an fp32 tensor is the tensor itself
+        if inv_loss_scale != 1.0:
+            g32.mul_(inv_loss_scale)
+        if clip_coef != 1.0:
+            g32.mul_(clip_coef)
+        p.grad = g32
+        opt.step()
+    st = opt.state[p]
+    return p, st["exp_avg"], st["exp_avg_sq"]
+
+
+def fused_run(param0, grads, *, lr, betas, eps, weight_decay, inv_loss_scale=1.0, clip_coef=1.0,
+              out_dtype=None, num_threads=0):
+    p = param0.clone()
+    m = torch.zeros_like(p)
+    v = torch.zeros_like(p)
+    out = None if out_dtype is None else torch.empty(p.numel(), dtype=out_dtype)
+    for step, g in enumerate(grads, start=1):
+        fa.fused_adam_step(p, m, v, g, out, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
+                           weight_decay=weight_decay, step=step, inv_loss_scale=inv_loss_scale,
+                           clip_coef=clip_coef, num_threads=num_threads)
+    return p, m, v, out
+
+
+def bits(t):
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+def assert_bitwise_equal(actual, expected, what):
+    diff = (bits(actual) != bits(expected)).nonzero().flatten()
+    assert diff.numel() == 0, (
+        f"{what}: {diff.numel()} of {actual.numel()} elements differ, first at {diff[0].item()}: "
+        f"{actual[diff[0]].item()!r} vs {expected[diff[0]].item()!r}")
+
+
+def make_grads(n, dtype, steps, seed, scale=1e-2, zero_fraction=0.0):
+    gen = torch.Generator().manual_seed(seed)
+    grads = []
+    for _ in range(steps):
+        g = torch.randn(n, generator=gen) * scale
+        if zero_fraction:
+            g[torch.rand(n, generator=gen) < zero_fraction] = 0.0
+        grads.append(g.to(dtype))
+    return grads
+
+
+HYPER = [
+    dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
+    dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0),
+    dict(lr=0.05, betas=(0.3, 0.5), eps=1e-3, weight_decay=0.01),   # beta1 < 0.5: lerp's other branch
+    dict(lr=1.0, betas=(0.0, 0.0), eps=1e-12, weight_decay=1e-4),
+]
+
+
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("n", [1, 15, 17, 4099])
+@pytest.mark.parametrize("hyper", HYPER, ids=["default", "wd0", "small_beta", "zero_beta"])
+def test_update_is_bit_identical_to_torch_adamw_when_run_20_steps(isa, grad_dtype, n, hyper):
+    param0 = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    grads = make_grads(n, grad_dtype, 20, seed=n + 7, zero_fraction=0.05)
+    rp, rm, rv = torch_adamw(param0, grads, **hyper)
+    p, m, v, _ = fused_run(param0, grads, **hyper)
+    assert_bitwise_equal(p, rp, "param")
+    assert_bitwise_equal(m, rm, "exp_avg")
+    assert_bitwise_equal(v, rv, "exp_avg_sq")
+
+
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("scales", [(1 / 1024, 1.0), (1.0, 0.37), (1 / 65536, 0.6180339887)],
+                         ids=["unscale", "clip", "both"])
+def test_update_applies_unscale_then_clip_as_two_fp32_multiplies_when_factors_differ_from_one(
+        isa, grad_dtype, scales):
+    inv, clip = scales
+    n = 1031
+    param0 = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    grads = make_grads(n, grad_dtype, 20, seed=11, scale=30.0)
+    hyper = HYPER[0]
+    rp, rm, rv = torch_adamw(param0, grads, inv_loss_scale=inv, clip_coef=clip, **hyper)
+    p, m, v, _ = fused_run(param0, grads, inv_loss_scale=inv, clip_coef=clip, **hyper)
+    assert_bitwise_equal(p, rp, "param")
+    assert_bitwise_equal(m, rm, "exp_avg")
+    assert_bitwise_equal(v, rv, "exp_avg_sq")
+
+
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_update_is_bit_identical_when_long_tensor_is_split_over_threads(isa, grad_dtype):
+    n = 1_000_003  # odd: every thread's share and the final tail are exercised
+    param0 = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    grads = make_grads(n, grad_dtype, 20, seed=13, zero_fraction=0.01)
+    hyper = dict(lr=2e-3, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.05)
+    rp, rm, rv = torch_adamw(param0, grads, inv_loss_scale=0.5, clip_coef=0.9, **hyper)
+    p, m, v, out = fused_run(param0, grads, inv_loss_scale=0.5, clip_coef=0.9, out_dtype=torch.bfloat16, **hyper)
+    assert_bitwise_equal(p, rp, "param")
+    assert_bitwise_equal(m, rm, "exp_avg")
+    assert_bitwise_equal(v, rv, "exp_avg_sq")
+    assert_bitwise_equal(out, rp.to(torch.bfloat16), "param_out")
+
+
+def test_update_does_not_depend_on_thread_count_when_threads_vary():
+    n = 300_017
+    param0 = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    grads = make_grads(n, torch.bfloat16, 3, seed=2)
+    results = [fused_run(param0, grads, **HYPER[0], num_threads=t)[0] for t in (1, 2, 0)]
+    for r in results[1:]:
+        assert_bitwise_equal(r, results[0], "param")
+
+
+def test_all_isa_paths_agree_when_grads_include_zeros_subnormals_and_large_values():
+    n = 2053
+    gen = torch.Generator().manual_seed(9)
+    g = torch.randn(n, generator=gen)
+    g[::7] = 0.0
+    g[1::11] = 1e-30          # v becomes subnormal / zero: the exact-sqrt lanes
+    g[2::13] = 1e18
+    param0 = torch.randn(n, generator=gen)
+    grads = [g.clone() for _ in range(5)]
+    rp, rm, rv = torch_adamw(param0, grads, **HYPER[0])
+    previous = fa.kernel_isa()
+    try:
+        for name in ISAS:
+            if not _C.isa_supported(name):
+                continue
+            fa.set_kernel_isa(name)
+            p, m, v, _ = fused_run(param0, grads, **HYPER[0])
+            assert_bitwise_equal(p, rp, f"param ({name})")
+            assert_bitwise_equal(v, rv, f"exp_avg_sq ({name})")
+    finally:
+        fa.set_kernel_isa(previous)
+
+
+@pytest.mark.parametrize("out_dtype", GRAD_DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_param_out_equals_torch_conversion_of_updated_param_when_out_dtype_given(isa, out_dtype):
+    n = 777
+    param0 = torch.randn(n, generator=torch.Generator().manual_seed(4)) * 100
+    grads = make_grads(n, torch.bfloat16, 20, seed=5)
+    p, _, _, out = fused_run(param0, grads, **HYPER[0], out_dtype=out_dtype)
+    assert_bitwise_equal(out, p.to(out_dtype), "param_out")
+
+
+def special_floats(seed):
+    """Random bit patterns over the whole float range plus rounding ties, subnormals, inf, NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(-(2 ** 31), 2 ** 31 - 1, (40000,), generator=gen, dtype=torch.int64).to(torch.int32)
+    x = raw.view(torch.float32).clone()
+    ties = (torch.randint(0, 2 ** 15, (1000,), generator=gen, dtype=torch.int32) << 16) | 0x8000
+    odd_ties = ties | 0x10000
+    half_ties = torch.randint(0x3000, 0x4800, (1000,), generator=gen, dtype=torch.int32) << 13 | 0x1000
+    extra = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 65504.0, 65519.99, 65520.0, 1e-8,
+                          5.96e-8, 2.98e-8, 1e-40, -1e-45, 3.4e38], dtype=torch.float32)
+    return torch.cat([x, ties.view(torch.float32), odd_ties.view(torch.float32), half_ties.view(torch.float32),
+                      extra])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_param_out_rounds_to_nearest_even_like_torch_when_values_are_ties_subnormals_or_specials(isa, out_dtype):
+    x = special_floats(21)
+    p = x.clone()
+    m = torch.zeros_like(p)
+    v = torch.zeros_like(p)
+    g = torch.zeros(p.numel(), dtype=torch.bfloat16)
+    out = torch.empty(p.numel(), dtype=out_dtype)
+    # Zero gradients and no weight decay leave every param bit pattern unchanged (p + -0.0).
+    fa.fused_adam_step(p, m, v, g, out, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+    nan = torch.isnan(x)
+    assert_bitwise_equal(p[~nan], x[~nan], "param unchanged")
+    expected = x.to(out_dtype)
+    assert_bitwise_equal(out[~nan], expected[~nan], "param_out")
+    assert torch.isnan(out[nan].float()).all(), "NaN params must stay NaN in param_out"
+    assert torch.equal(torch.signbit(out[nan].float()), torch.signbit(x[nan])), "NaN sign must be kept"
+
+
+def test_state_dtype_is_rejected_with_argument_name_when_not_float32():
+    p = torch.zeros(8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"param has dtype bfloat16; expected float32"):
+        fa.fused_adam_step(p, torch.zeros(8), torch.zeros(8), torch.zeros(8), lr=1e-3, beta1=0.9, beta2=0.999,
+                           eps=1e-8, weight_decay=0.0, step=1)
+    with pytest.raises(TypeError, match=r"exp_avg_sq has dtype float64"):
+        fa.fused_adam_step(torch.zeros(8), torch.zeros(8), torch.zeros(8, dtype=torch.float64), torch.zeros(8),
+                           lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+
+
+def test_grad_dtype_is_rejected_with_allowed_list_when_unsupported():
+    with pytest.raises(TypeError, match=r"grad has dtype int32; expected float32, bfloat16, float16"):
+        fa.fused_adam_step(torch.zeros(8), torch.zeros(8), torch.zeros(8), torch.zeros(8, dtype=torch.int32),
+                           lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+
+
+@pytest.mark.parametrize("which", ["exp_avg", "exp_avg_sq", "grad", "param_out"])
+def test_numel_mismatch_is_rejected_with_both_sizes_when_a_tensor_differs(which):
+    args = dict(param=torch.zeros(8), exp_avg=torch.zeros(8), exp_avg_sq=torch.zeros(8),
+                grad=torch.zeros(8, dtype=torch.bfloat16), param_out=torch.zeros(8, dtype=torch.bfloat16))
+    args[which] = args[which].new_zeros(9)
+    with pytest.raises(ValueError, match=rf"{which} has 9 elements, param has 8"):
+        fa.fused_adam_step(**args, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+
+
+def test_non_contiguous_tensor_is_rejected_with_stride_when_strided():
+    g = torch.zeros(16, dtype=torch.bfloat16)[::2]
+    with pytest.raises(ValueError, match=r"grad must be contiguous \(stride \(2,\)\)"):
+        fa.fused_adam_step(torch.zeros(8), torch.zeros(8), torch.zeros(8), g, lr=1e-3, beta1=0.9, beta2=0.999,
+                           eps=1e-8, weight_decay=0.0, step=1)
+
+
+def test_bad_step_and_hyper_parameters_are_rejected_when_invalid():
+    t = [torch.zeros(8) for _ in range(4)]
+    with pytest.raises(ValueError, match=r"step must be an integer >= 1, got 0"):
+        fa.fused_adam_step(*t, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=0)
+    with pytest.raises(ValueError, match=r"fused Adam step failed"):
+        fa.fused_adam_step(*t, lr=float("nan"), beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+    with pytest.raises(TypeError, match=r"grad must be a torch.Tensor, got list"):
+        fa.fused_adam_step(*t[:3], [0.0] * 8, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+
+
+def test_unsupported_or_unknown_isa_is_rejected_when_forced():
+    with pytest.raises(ValueError, match=r"must be 'avx512', 'avx2' or 'scalar', got 'sse9'"):
+        fa.set_kernel_isa("sse9")
+    for name in ISAS:
+        if not _C.isa_supported(name):
+            with pytest.raises(ValueError, match=rf"'{name}' is not supported by this CPU"):
+                fa.set_kernel_isa(name)
+
+
+def test_auto_sqrt_mode_matches_torch_sqrt_when_detected():
+    gen = torch.Generator().manual_seed(77)
+    x = torch.rand(100_003, generator=gen) * 10
+    k = fa._kernel()
+    out = torch.empty_like(x)
+    k.sqrt(x.data_ptr(), out.data_ptr(), x.numel())
+    if fa.sqrt_mode() == "ieee":
+        exact = x.double().sqrt().float()
+        assert_bitwise_equal(out, exact, "ieee sqrt")
+    else:
+        assert_bitwise_equal(out, x.sqrt(), "rsqrt_newton sqrt vs torch")
+
+
+def test_ieee_sqrt_mode_is_correctly_rounded_when_forced(isa):
+    previous = fa.sqrt_mode()
+    try:
+        fa.set_sqrt_mode("ieee")
+        x = special_floats(3).abs()
+        x = x[torch.isfinite(x)]
+        out = torch.empty_like(x)
+        fa._kernel().sqrt(x.data_ptr(), out.data_ptr(), x.numel())
+        assert_bitwise_equal(out, x.double().sqrt().float(), "ieee sqrt")
+    finally:
+        fa.set_sqrt_mode(previous)
+
+
+def test_rsqrt_newton_sqrt_is_within_one_ulp_and_exact_on_special_inputs_when_forced(isa):
+    previous = fa.sqrt_mode()
+    try:
+        fa.set_sqrt_mode("rsqrt_newton")
+        x = special_floats(4).abs()
+        x = x[~torch.isnan(x)]
+        out = torch.empty_like(x)
+        fa._kernel().sqrt(x.data_ptr(), out.data_ptr(), x.numel())
+        exact = x.double().sqrt().float()
+        ulps = (out.view(torch.int32).long() - exact.view(torch.int32).long()).abs()
+        assert int(ulps.max()) <= 1
+        bits_ = x.view(torch.int32)
+        special = (bits_ < 0x00800000) | (bits_ > 0x7F7FF000)
+        assert_bitwise_equal(out[special], exact[special], "exact lanes")
+    finally:
+        fa.set_sqrt_mode(previous)
+
+
+def test_empty_tensors_are_a_no_op_when_numel_is_zero():
+    t = [torch.zeros(0) for _ in range(4)]
+    fa.fused_adam_step(*t, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=1)
+    assert fa.grad_stats(torch.zeros(0, dtype=torch.bfloat16)) == (0.0, False)
+
+
+def test_kernel_reports_threads_and_isa_when_created():
+    assert fa.num_kernel_threads() >= 1
+    assert fa.kernel_isa() in ISAS
+    assert _C.isa_supported("scalar")
+
+
+@pytest.mark.parametrize("combo", list(itertools.product(GRAD_DTYPES, [torch.bfloat16, torch.float16])),
+                         ids=lambda c: f"{str(c[0]).split('.')[-1]}-{str(c[1]).split('.')[-1]}")
+def test_update_matches_torch_when_grad_and_out_dtypes_are_combined(combo):
+    grad_dtype, out_dtype = combo
+    n = 333
+    param0 = torch.randn(n, generator=torch.Generator().manual_seed(8))
+    grads = make_grads(n, grad_dtype, 20, seed=8)
+    rp, _, _ = torch_adamw(param0, grads, **HYPER[1])
+    p, _, _, out = fused_run(param0, grads, **HYPER[1], out_dtype=out_dtype)
+    assert_bitwise_equal(p, rp, "param")
+    assert_bitwise_equal(out, rp.to(out_dtype), "param_out")

@@ -1,0 +1,240 @@
+"""OffloadAdam: the trajectory equals torch's fp32 AdamW bit for bit, whatever the layout."""
+from __future__ import annotations
+
+import math
+import os
+import stat
+
+import pytest
+import torch
+
+from megatron_mlp.config import MLPOffloadConfig
+from megatron_mlp.optim.offload_adam import OffloadAdam
+from megatron_mlp.optim.reference_adam import ReferenceAdamW
+
+STATES = ("param", "exp_avg", "exp_avg_sq")
+N = 9000
+RANGES = [(0, 5000), (5000, 5300), (5300, N)]   # a small middle group, sizes that divide nothing
+GROUPS = [{"lr": 1e-2, "weight_decay": 0.1},
+          {"lr": 3e-3, "weight_decay": 0.0, "betas": (0.8, 0.95), "eps": 1e-6},
+          {"lr": 5e-3, "weight_decay": 0.01, "betas": (0.9, 0.99)}]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@pytest.fixture
+def tier_dirs(disk_dir, shm_dir):
+    """Three tier directories: two on the disk, one on tmpfs."""
+    a, b = os.path.join(disk_dir, "a"), os.path.join(disk_dir, "b")
+    os.mkdir(a)
+    os.mkdir(b)
+    return [a, shm_dir, b]
+
+
+def make(tier_dirs, num_tiers=1, *, qos_last=False, groups=GROUPS, ranges=RANGES, init=None, **cfg):
+    paths = tier_dirs[:num_tiers]
+    spec = ";".join(paths)
+    if qos_last and num_tiers > 1:
+        spec += ":qos=2GB/s"
+    cfg.setdefault("use_tokens", False)
+    config = MLPOffloadConfig.from_paths(spec, **cfg)
+    numel = ranges[-1][1]
+    if init is None:
+        init = torch.randn(numel, generator=torch.Generator().manual_seed(1))
+    opt = OffloadAdam(config, ranges, [dict(g) for g in groups], init)
+    ref = ReferenceAdamW(ranges, groups, init)
+    return opt, ref
+
+
+def grads_for(step, dtype, numel=N, scale=1.0):
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(100 + step)) * scale
+    return g.to(dtype)
+
+
+def assert_state_equal(opt, ref, start=0, end=None):
+    end = opt.numel if end is None else end
+    got = opt.read_range(start, end)
+    for name in STATES:
+        want = ref.state(name)[start:end]
+        assert torch.equal(got[name], want), (
+            f"{name} differs: max |diff| {(got[name] - want).abs().max().item():.3g}")
+
+
+@pytest.mark.parametrize("subgroup_params,num_tiers,cache_subgroups,order,dtype", [
+    (1000, 1, 0, "alternate", "bf16"),
+    (1777, 2, 1, "alternate", "fp16"),       # does not divide any group
+    (2048, 3, 2, "alternate", "fp32"),
+    (3000, 2, 99, "alternate", "bf16"),      # everything fits in the cache
+    (1500, 2, 2, "ascending", "bf16"),
+    (9000, 1, 0, "ascending", "fp16"),       # one subgroup per group
+])
+def test_trajectory_equals_torch_adamw_bitwise_when_layout_varies(
+        tier_dirs, subgroup_params, num_tiers, cache_subgroups, order, dtype):
+    region = 3 * 4 * (-(-subgroup_params // 1024) * 1024)
+    opt, ref = make(tier_dirs, num_tiers, qos_last=True, subgroup_params=subgroup_params,
+                    host_cache_bytes=cache_subgroups * region, order=order, prefetch_depth=2)
+    out = torch.empty(N, dtype=DTYPES[dtype])
+    done = []
+    with opt:
+        for step in range(20):
+            g = grads_for(step, DTYPES[dtype], scale=64.0 if dtype == "fp16" else 1.0)
+            inv_scale, clip = (1 / 64.0, 0.7) if dtype == "fp16" else (1.0, 0.5 if step % 3 == 0 else 1.0)
+            done.clear()
+            opt.step(g, out, inv_loss_scale=inv_scale, clip_coef=clip,
+                     on_subgroup_done=lambda a, b: done.append((a, b)))
+            ref.step(g, inv_scale, clip)
+            assert sorted(done) == [(sg.start, sg.end) for sg in opt.plan]
+        assert_state_equal(opt, ref)
+        assert torch.equal(out, ref.state("param").to(out.dtype))
+
+
+def test_trajectory_follows_lr_and_weight_decay_changed_between_steps(tier_dirs):
+    opt, ref = make(tier_dirs, 2, subgroup_params=2000, host_cache_bytes=0)
+    with opt:
+        for step in range(20):
+            lr = 1e-2 * (0.5 + 0.5 * math.cos(step / 20 * math.pi))
+            for gi, group in enumerate(opt.param_groups):    # what an LR scheduler does
+                group["lr"] = lr * (gi + 1)
+                group["weight_decay"] = 0.05 * (step % 2)
+                ref.set_hyper(gi, lr=lr * (gi + 1), weight_decay=0.05 * (step % 2))
+            g = grads_for(step, torch.bfloat16)
+            opt.step(g, None)
+            ref.step(g)
+        assert_state_equal(opt, ref)
+
+
+def test_step_with_found_inf_changes_nothing_when_fp16_gradients_overflow(tier_dirs):
+    groups = [dict(g) for g in GROUPS]
+    config = MLPOffloadConfig.from_paths(tier_dirs[0], subgroup_params=2000, use_tokens=False,
+                                         host_cache_bytes=3 * 4 * 2048)
+    init = torch.randn(N)
+    opt = OffloadAdam(config, RANGES, groups, init)
+    ref = ReferenceAdamW(RANGES, GROUPS, init)
+    assert opt.param_groups is groups
+    with opt:
+        for step in range(3):
+            g = grads_for(step, torch.float16)
+            opt.step(g)
+            ref.step(g)
+        before = opt.read_range(0, N)
+        steps_before = [opt.state[i]["step"] for i in opt.state]
+        bad = grads_for(99, torch.float16)
+        bad[1234] = float("inf")
+        sumsq, found = opt.grad_stats(bad)
+        assert found
+        out = torch.full((N,), 7.0, dtype=torch.float16)
+        opt.step(bad, out, found_inf=found)
+        assert opt.last_step_stats["skipped"]
+        assert [opt.state[i]["step"] for i in opt.state] == steps_before
+        after = opt.read_range(0, N)
+        for name in STATES:
+            assert torch.equal(before[name], after[name])
+        assert torch.all(out == 7.0), "a skipped step must not write params_out"
+        g = grads_for(3, torch.float16)
+        opt.step(g)
+        ref.step(g)
+        assert_state_equal(opt, ref)
+
+
+def test_grad_stats_matches_fp64_sum_of_squares_without_upcasting(tier_dirs):
+    opt, _ = make(tier_dirs, 1, subgroup_params=4096)
+    with opt:
+        g = grads_for(0, torch.bfloat16)
+        sumsq, found = opt.grad_stats(g)
+        assert not found
+        assert sumsq == pytest.approx(float((g.double() ** 2).sum()), rel=1e-12)
+
+
+def test_deferred_upcast_ablation_gives_the_same_trajectory(tier_dirs):
+    opt, ref = make(tier_dirs, 1, subgroup_params=2500, deferred_upcast=False)
+    with opt:
+        for step in range(20):
+            g = grads_for(step, torch.bfloat16)
+            opt.step(g)
+            ref.step(g)
+        assert opt.last_step_stats["upcast_s"] > 0
+        assert_state_equal(opt, ref)
+
+
+def test_tier_tokens_do_not_change_the_trajectory(tier_dirs, tmp_path):
+    opt, ref = make(tier_dirs, 2, qos_last=True, subgroup_params=1500, use_tokens=True,
+                    runtime_dir=str(tmp_path))
+    with opt:
+        for step in range(20):
+            g = grads_for(step, torch.bfloat16)
+            opt.step(g)
+            ref.step(g)
+        assert_state_equal(opt, ref)
+        assert all(t["token_wait_s"] >= 0 for t in opt.last_step_stats["tiers"])
+
+
+def test_host_memory_never_exceeds_cache_plus_working_set_when_measured(tier_dirs):
+    sub = 1024
+    buf = 3 * 4 * sub
+    opt, ref = make(tier_dirs, 2, subgroup_params=sub, host_cache_bytes=2 * buf + 100, prefetch_depth=2,
+                    flush_depth=1)
+    with opt:
+        budget = 2 * buf + 100 + (2 + 1 + 1) * buf
+        for step in range(6):
+            g = grads_for(step, torch.bfloat16)
+            opt.step(g)
+            ref.step(g)
+            assert opt.last_step_stats["peak_host_bytes"] <= budget
+        assert opt.pool.peak_bytes <= budget
+        assert opt.pool.peak_bytes >= (2 + 2 + 1) * buf, "the pipeline never used its working set"
+        assert_state_equal(opt, ref)
+        assert opt.pool.peak_bytes <= budget, "read_range went over the budget"
+
+
+def test_alternating_order_yields_cache_hits_when_the_cache_holds_subgroups(tier_dirs):
+    sub = 1024
+    opt, _ = make(tier_dirs, 1, subgroup_params=sub, host_cache_bytes=3 * 3 * 4 * sub)
+    with opt:
+        orders, hits, reads = [], [], []
+        for step in range(4):
+            opt.step(grads_for(step, torch.bfloat16))
+            s = opt.last_step_stats
+            orders.append(s["order"])
+            hits.append(s["cache_hits"])
+            reads.append(s["tiers"][0]["fetches"])
+        assert orders == ["ascending", "descending", "ascending", "descending"]
+        n = len(opt.plan)
+        assert hits == [0, 3, 3, 3]
+        assert reads == [n, n - 3, n - 3, n - 3]
+
+
+def test_no_cache_hits_when_cache_ordering_is_off(tier_dirs):
+    sub = 1024
+    opt, _ = make(tier_dirs, 1, subgroup_params=sub, host_cache_bytes=3 * 3 * 4 * sub, cache_order=False)
+    with opt:
+        for step in range(3):
+            opt.step(grads_for(step, torch.bfloat16))
+            assert opt.last_step_stats["cache_hits"] == 0
+            assert opt.last_step_stats["order"] == "ascending"
+
+
+def test_scratch_dir_is_private_and_removed_on_close(tier_dirs):
+    opt, _ = make(tier_dirs, 2, subgroup_params=2000)
+    dirs = [s.scratch_dir for s in opt.stores]
+    for store in opt.stores:
+        assert stat.S_IMODE(os.stat(store.scratch_dir).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(store.file_path).st_mode) == 0o600
+    opt.close()
+    assert not any(os.path.exists(d) for d in dirs)
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.step(grads_for(0, torch.bfloat16))
+
+
+def test_multipath_off_puts_every_subgroup_on_the_first_path(tier_dirs):
+    opt, _ = make(tier_dirs, 3, subgroup_params=1000, multipath=False)
+    with opt:
+        assert set(opt.tier_of) == {0}
+        assert len(opt.stores) == 1
+
+
+def test_bad_gradient_is_rejected_naming_what_was_expected(tier_dirs):
+    opt, _ = make(tier_dirs, 1, subgroup_params=4096)
+    with opt:
+        with pytest.raises(ValueError, match="grads: expected"):
+            opt.step(torch.zeros(N - 1, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="grads: expected"):
+            opt.step(torch.zeros(N, dtype=torch.int32))

@@ -1,0 +1,52 @@
+"""Smoke test of `megatron-mlp bench update` with tiny sizes (figures are not asserted, structure is)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from megatron_mlp.bench import update
+from megatron_mlp.errors import ConfigError
+
+
+def run_json(capsys, *argv) -> dict:
+    assert update.main([*argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1, "--json must print exactly one JSON object on stdout"
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_bench_update_reports_baseline_mlp_ablation_and_bounds_when_run_tiny(capsys, disk_dir, shm_dir, ranks):
+    s = run_json(capsys, "--paths", f"{disk_dir};{shm_dir}:qos=1GB/s", "--num-params", "600000",
+                 "--subgroup-params", "100000", "--host-cache-bytes", "1300000", "--calib-bytes", "8MB",
+                 "--steps", "3", "--ranks", str(ranks))
+    for key in ("baseline_s", "mlp_s", "speedup", "lower_bound_s", "predicted_s", "baseline_backward_grad_write_s"):
+        assert s[key] > 0, key
+    names = [a["name"] for a in s["ablation"]]
+    assert names[0].startswith("ZeRO-3") and names[-1].endswith("(= MLP-Offload)") and len(names) == 6
+    assert s["ablation"][-1]["seconds"] == s["mlp_s"]
+    assert [t["label"] for t in s["tiers"]] == ["real", "emulated"]
+    assert s["emulated_paths"] == [shm_dir]
+    # What must hold whatever the timing: MLP-Offload moves fewer bytes than the baseline
+    # (no gradients, the cache) and uses both paths.
+    mlp_moved = sum(t["mlp_bytes_read_per_step"] + t["mlp_bytes_written_per_step"] for t in s["tiers"])
+    assert mlp_moved < s["baseline_bytes_read_per_step"] + s["baseline_bytes_written_per_step"]
+    assert all(t["mlp_bytes_read_per_step"] > 0 for t in s["tiers"])
+    assert sum(t["mlp_cache_hits"] for t in s["tiers"]) > 0
+    assert s["config"]["ranks"] == ranks
+    leftovers = [n for d in (disk_dir, shm_dir) for n in os.listdir(d)]
+    assert leftovers == [], f"bench left files behind: {leftovers}"
+
+
+def test_bench_update_rejects_a_missing_path_naming_the_flag(disk_dir):
+    with pytest.raises(ConfigError, match="--paths"):
+        update.main(["--paths", os.path.join(disk_dir, "nope"), "--num-params", "1000"])
+
+
+def test_io_time_bound_adds_reads_and_writes_on_a_shared_limit_and_overlaps_them_otherwise():
+    disk = {"read_bytes_per_s": 1.0, "write_bytes_per_s": 2.0, "concurrent_bytes_per_s": 1.0}
+    duplex = {"read_bytes_per_s": 1.0, "write_bytes_per_s": 1.0, "concurrent_bytes_per_s": 2.0}
+    assert update.io_time_bound(4, 4, disk) == pytest.approx(4 / 1 + 4 / 2)
+    assert update.io_time_bound(4, 4, duplex) == pytest.approx(4)
