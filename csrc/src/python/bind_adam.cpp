@@ -123,6 +123,18 @@ void bind_adam(py::module_& m) {
             },
             py::arg("grad"), py::arg("dtype"), py::arg("numel"), py::arg("num_threads") = 0)
         .def(
+            "copy",
+            [](CpuAdam& a, std::uintptr_t dst, std::uintptr_t src, std::size_t nbytes, int num_threads) {
+                int rc;
+                {
+                    py::gil_scoped_release release;
+                    rc = a.copy(ptr<void>(dst), ptr<const void>(src), nbytes, num_threads);
+                }
+                check(rc, "copy");
+            },
+            py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("num_threads") = 0,
+            "memcpy split over the pool (the bandwidth bound of bench adam).")
+        .def(
             "sqrt",
             [](CpuAdam& a, std::uintptr_t in, std::uintptr_t out, std::size_t n) {
                 int rc;
