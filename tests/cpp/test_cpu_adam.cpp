@@ -153,6 +153,15 @@ void test_pool_covers_every_element_once() {
     mlp::GradStats st;
     CHECK(adam.grad_stats(g.data(), mlp::DType::kBFloat16, n, &st) == 0, "stats");
     CHECK(st.sum_of_squares == static_cast<double>(n) && !st.found_nonfinite, "sumsq %f", st.sum_of_squares);
+    // Many back-to-back runs with varying widths: workers must neither miss nor repeat a round.
+    for (int round = 0; round < 200; ++round) {
+        mlp::GradStats r;
+        adam.grad_stats(g.data(), mlp::DType::kBFloat16, n, &r, 1 + round % 3);
+        if (r.sum_of_squares != static_cast<double>(n)) {
+            CHECK(false, "round %d: sumsq %f", round, r.sum_of_squares);
+            break;
+        }
+    }
     CHECK(adam.step(h, p.data(), m.data(), v.data(), g.data(), static_cast<mlp::DType>(7), nullptr,
                     mlp::DType::kFloat32, n) == -EINVAL, "bad dtype must be -EINVAL");
     h.step = 0;
