@@ -191,6 +191,8 @@ void test_crc32c() {
         CHECK(sw == hw, "software %08x vs auto %08x at offset %zu", sw, hw, off);
         const std::uint32_t first = mlp::crc32c(buf.data() + off, 1000, 0);
         CHECK(mlp::crc32c(buf.data() + off + 1000, n - 1000, first) == hw, "chaining with seed");
+        const std::uint32_t rest = mlp::crc32c(buf.data() + off + 1000, n - 1000, 0);
+        CHECK(mlp::crc32c_combine(first, rest, n - 1000) == hw, "combine of two pieces");
     }
 }
 

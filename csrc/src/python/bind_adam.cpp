@@ -151,6 +151,8 @@ void bind_adam(py::module_& m) {
         if (name == "software") return true;
         throw py::value_error("crc32c implementation must be 'sse42' or 'software', got '" + name + "'");
     });
+    m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"),
+          "CRC-32C of A||B from crc32c(A), crc32c(B) and len(B).");
     m.def(
         "crc32c",
         [](std::uintptr_t addr, std::size_t nbytes, std::uint32_t seed, const std::string& impl) {
