@@ -2,6 +2,9 @@
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off")  // 1 - lr*wd etc. must round exactly as Python does
 #endif
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
 
 #include "mlp/cpu_adam.h"
 
