@@ -2,14 +2,19 @@
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off")  // 1 - lr*wd etc. must round exactly as Python does
 #endif
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
 
 #include "mlp/cpu_adam.h"
 
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstring>
 
 namespace mlp {
 
@@ -152,13 +157,19 @@ int sqrt_range(Isa isa, SqrtMode mode, const float* in, float* out, std::size_t 
 }
 
 // ---------------------------------------------------------------------------------------------
-WorkerPool::WorkerPool(int num_threads) {
+WorkerPool::WorkerPool(int num_threads) : owner_pid_(static_cast<int>(getpid())) {
     const int extra = std::max(1, num_threads) - 1;
     workers_.reserve(static_cast<std::size_t>(extra));
     for (int i = 0; i < extra; ++i) workers_.emplace_back([this, i] { worker_loop(i + 1); });
 }
 
 WorkerPool::~WorkerPool() {
+    if (static_cast<int>(getpid()) != owner_pid_) {
+        // A forked child: the workers exist only in the parent. Joining (or destroying joinable
+        // std::thread objects) would hang or terminate, so their handles are deliberately leaked.
+        new std::vector<std::thread>(std::move(workers_));
+        return;
+    }
     {
         std::lock_guard<std::mutex> lock(mutex_);
         stopping_ = true;
@@ -189,8 +200,8 @@ void WorkerPool::worker_loop(int index) {
 
 void WorkerPool::run(int num_tasks, const std::function<void(int)>& fn) {
     num_tasks = std::min(num_tasks, num_threads());
-    if (num_tasks <= 1) {
-        if (num_tasks == 1) fn(0);
+    if (num_tasks <= 1 || static_cast<int>(getpid()) != owner_pid_) {  // alone, or a forked child
+        for (int t = 0; t < num_tasks; ++t) fn(t);
         return;
     }
     std::lock_guard<std::mutex> run_lock(run_mutex_);
@@ -291,6 +302,20 @@ int CpuAdam::grad_stats(const void* grad, DType dtype, std::size_t n, GradStats*
         out->sum_of_squares += p.sum_of_squares;
         out->found_nonfinite |= p.found_nonfinite;
     }
+    return 0;
+}
+
+int CpuAdam::copy(void* dst, const void* src, std::size_t nbytes, int num_threads) {
+    if (nbytes == 0) return 0;
+    if (!dst || !src) return -EINVAL;
+    const std::size_t n = nbytes / 4;  // pieces in 4-byte units, as fp32 state
+    const int k = plan_tasks(n, num_threads);
+    pool_.run(k, [&](int t) {
+        std::size_t b, e;
+        piece(n, k, t, &b, &e);
+        const std::size_t len = (e - b) * 4 + (t == k - 1 ? nbytes % 4 : 0);  // last piece: odd tail bytes
+        if (len) std::memcpy(static_cast<char*>(dst) + b * 4, static_cast<const char*>(src) + b * 4, len);
+    });
     return 0;
 }
 
