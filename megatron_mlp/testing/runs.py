@@ -77,6 +77,20 @@ def device_state_report(rank, world_size, spec, tp, mlp_config, iters, inner_fac
 
 def checkpoint_run(rank, world_size, spec, tp, mlp_config, iters_before, iters_after, ckpt_dir, mode,
                    sharding_type="dp_reshardable", inner_factory=None):
+    return _checkpoint_run(rank, world_size, spec, tp, mlp_config, iters_before, iters_after, ckpt_dir, mode,
+                           sharding_type, inner_factory)
+
+
+def checkpoint_run_tp(rank, world_size, save_tp, load_tp, spec, mlp_config, iters, ckpt_dir, mode,
+                      inner_factory=None):
+    """checkpoint_run with the TP size chosen by mode (fully_reshardable): save with save_tp, load with load_tp."""
+    tp = save_tp if mode == "save" else load_tp
+    return _checkpoint_run(rank, world_size, spec, tp, mlp_config, iters, 0, ckpt_dir, mode, "fully_reshardable",
+                           inner_factory)
+
+
+def _checkpoint_run(rank, world_size, spec, tp, mlp_config, iters_before, iters_after, ckpt_dir, mode,
+                    sharding_type, inner_factory):
     """mode 'save': train iters_before, save, keep training iters_after; 'load': build, load, train
     iters_after. Returns (losses after the save point, params, optimizer state by param name)."""
     from megatron.core import dist_checkpointing
