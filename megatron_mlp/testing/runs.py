@@ -37,8 +37,19 @@ def train(rank, world_size, spec, tp, mlp_config, iters, grad_reduce_in_fp32=Fal
 
     model, opt = build(spec, tp, mlp_config, grad_reduce_in_fp32=grad_reduce_in_fp32,
                        inner_factory=inner_factory, opt_overrides=opt_overrides)
+    skipped = []
+    step = opt.step
+
+    def counting_step():
+        ok, grad_norm, zeros = step()
+        skipped.append(not ok)
+        return ok, grad_norm, zeros
+
+    opt.step = counting_step
     losses = [gpt.train_step(spec, model, opt, i) for i in range(iters)]
-    return losses, gpt.model_params(model)
+    params = gpt.model_params(model)
+    params["__skipped_steps__"] = torch.tensor(sum(skipped))
+    return losses, params
 
 
 def device_state_report(rank, world_size, spec, tp, mlp_config, iters, inner_factory=None):

@@ -80,6 +80,17 @@ def test_losses_and_params_bitwise_equal_stock_when_fp32_grad_buffer(tmp_path):
     _assert_bitwise(ours, _stock(1, True))
 
 
+@REAL
+def test_bitwise_equal_stock_when_fp16_loss_scaling_skips_steps(tmp_path):
+    """fp16 with a dynamic loss scale that overflows at first: same skipped steps, same updates."""
+    spec = gpt.TinyGPT(bf16=False, fp16=True)
+    overrides = {"initial_loss_scale": 2.0 ** 20}
+    stock = run_distributed(train, 2, spec, 1, None, ITERS, False, None, overrides)
+    ours = run_distributed(train, 2, spec, 1, _config(tmp_path, subgroup_params=4096), ITERS, False, None, overrides)
+    assert int(stock[0][1]["__skipped_steps__"]) >= 1  # the scenario really skips steps
+    _assert_bitwise(ours, stock)
+
+
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
 def test_megatron_layer_bitwise_equal_stock_when_reference_inner_optimizer(tmp_path, tp):
     """The Megatron layer alone (layout, copies, unscale/clip, accessors) with the contract's double."""
