@@ -1,0 +1,1 @@
+"""Megatron-Core integration: flags, factory hook, the offloading DistributedOptimizer."""

@@ -1,0 +1,426 @@
+"""MLPOffloadDistributedOptimizer: Megatron's DistributedOptimizer with its state on the virtual tier.
+
+Why this route (and not a new MegatronOptimizer): Megatron's DistributedOptimizer already does
+everything around the update -- DP sharding of the grad/param buffers, reduce-scatter, grad norm
+over the right process groups, fp16 loss scaling and skipped steps, the param all-gather,
+checkpoint formats and resharding. We keep all of it and change three things:
+
+1. Before ``super().__init__()`` we switch on Megatron's *precision-aware* path on a private copy
+   of the OptimizerConfig (``use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True``; the user's
+   config object is untouched). Stock code then allocates no fp32 master copy on the device, puts
+   bf16/fp16 *views of the DDP param buffer* into the param groups, exposes each rank's reduced
+   gradient shard as ``.decoupled_grad`` views of the grad buffer (no fp32 upcast), and skips the
+   main->model param copy. This is the path Megatron's own HybridDeviceOptimizer relies on.
+2. The inner ``self.optimizer`` becomes ``_OffloadInner``, which speaks the small protocol Megatron
+   uses of an inner optimizer (the *same* ``param_groups`` dicts, so the LR scheduler's writes
+   are seen; a small non-empty ``state``; ``state_dict``/``load_state_dict``; ``step``;
+   ``zero_grad``). Its ``step`` copies the gradient shard device->host in its native dtype, runs
+   the offloading Adam over the tier and copies the low-precision result host->device into the
+   param buffer, so Megatron's param all-gather works unchanged.
+3. The precision-aware path would unscale (fp16) and clip the *low-precision* gradient in place,
+   which rounds it a second time. Stock DistributedOptimizer does both in fp32. To keep Megatron's
+   arithmetic bit for bit, we compute found-inf and the norm exactly as stock does but leave the
+   gradient untouched, and hand ``inv_loss_scale`` and ``clip_coef`` to the fused Adam kernel,
+   which applies them in fp32 registers in the same order (two fp32 roundings, as stock).
+
+Checkpoints: every Megatron format (dp_reshardable, fully_reshardable, dp_zero_gather_scatter,
+fully_sharded_model_space, legacy) reads and writes optimizer state through
+``_get_main_param_and_optimizer_states`` / ``_set_main_param_and_optimizer_states``; we serve those
+from the tier (fp32 CPU tensors), so the checkpoint layout is Megatron's own and loads into the
+plain DistributedOptimizer and back. ``step_with_ready_grads`` is left alone (it keeps Megatron's
+timers and the all-gather).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+from megatron_mlp.megatron.timers import report_step_timers
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Segment:
+    """A run of params of one param group that is contiguous both in this rank's flat shard and in
+    the DDP buffers: one D2H copy for its gradients, one H2D copy for its updated params."""
+
+    flat_start: int
+    flat_end: int
+    grad_view: torch.Tensor   # slice of the bucket's grad buffer (this rank's reduced shard)
+    param_view: torch.Tensor  # slice of the bucket's param buffer (what the all-gather sends)
+
+
+def _default_inner_factory(mlp_config, group_ranges, param_groups, initial_params):
+    import os
+
+    from megatron_mlp.optim.offload_adam import OffloadAdam
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    # Ranks of this node share the tiers (placement model, tokens). torchrun/Slurm say how many.
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or (
+        torch.cuda.device_count() if torch.cuda.is_available() else 1)
+    return OffloadAdam(mlp_config, group_ranges=group_ranges, param_groups=param_groups,
+                       initial_params=initial_params, rank=rank, ranks_per_node=max(1, ranks_per_node))
+
+
+def _adam_hparams(group: dict) -> dict:
+    # Megatron's param groups carry betas/eps/lr/weight_decay (torch/TE Adam) plus its own keys
+    # (wd_mult, lr_mult, is_expert_parallel, ...); the offload optimizer reads the Adam ones.
+    return group
+
+
+class _OffloadInner:
+    """The inner optimizer object Megatron's DistributedOptimizer talks to.
+
+    Megatron touches: ``param_groups`` (LR scheduler writes lr/weight_decay; norm/zero_grad read
+    "params"), ``state`` (must be non-empty so a checkpoint load does not allocate full-size dummy
+    tensors on the device; values carry "step"), ``state_dict``/``load_state_dict``, ``step``,
+    ``zero_grad``. The state itself lives in the offload optimizer (the tier).
+    """
+
+    def __init__(self, param_groups: list[dict], segments: list[_Segment], numel: int,
+                 grad_dtype: torch.dtype, param_dtype: torch.dtype, offload, timers_fn=None):
+        self.param_groups = param_groups
+        self.defaults = {}
+        self._segments = segments
+        self._numel = numel
+        self.offload = offload
+        self.inv_loss_scale = 1.0
+        self.clip_coef = 1.0
+        self.num_steps = 0
+        self._timers_fn = timers_fn
+        first = next((p for g in param_groups for p in g["params"]), None)
+        self._step_tensor = torch.zeros((), dtype=torch.float32)
+        # Small and non-empty (see class doc); one entry keyed by the first shard param.
+        self.state = {first: {"step": self._step_tensor}} if first is not None else {}
+        cuda = torch.cuda.is_available() and any(s.grad_view.is_cuda for s in segments)
+        pin = cuda  # pinned host memory needs a CUDA context; under the CPU harness it is plain
+        self._grads_host = torch.empty(numel, dtype=grad_dtype, pin_memory=pin)
+        self._params_host = torch.empty(numel, dtype=param_dtype, pin_memory=pin)
+        self._d2h_stream = torch.cuda.Stream() if cuda else None
+        self._h2d_stream = torch.cuda.Stream() if cuda else None
+        self.last_stats: dict = {}
+
+    # -- Megatron's inner-optimizer protocol -------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients live in Megatron's grad buffer, zeroed by DDP; nothing to do here."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        t0 = time.perf_counter()
+        self._copy_grads_to_host()
+        t1 = time.perf_counter()
+        pending = []
+
+        def on_subgroup_done(start: int, end: int) -> None:
+            # Start the H2D copy of the finished slice while Adam works on the next subgroup.
+            pending.extend(self._copy_params_to_device(start, end))
+
+        self.offload.step(self._grads_host, self._params_host, inv_loss_scale=self.inv_loss_scale,
+                          clip_coef=self.clip_coef, on_subgroup_done=on_subgroup_done)
+        if not pending and self._numel:
+            # An offload optimizer that does not call back: copy everything at the end.
+            self._copy_params_to_device(0, self._numel)
+        if self._h2d_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._h2d_stream)
+        t2 = time.perf_counter()
+        self.num_steps += 1
+        self._step_tensor.fill_(float(self.num_steps))
+        self.last_stats = {"d2h_s": t1 - t0, "update_s": t2 - t1,
+                           "bytes_d2h": self._grads_host.numel() * self._grads_host.element_size(),
+                           "bytes_h2d": self._params_host.numel() * self._params_host.element_size()}
+        return None
+
+    def state_dict(self) -> dict:
+        """torch.optim-shaped dict: hyper-parameters per group, params as indices, one step."""
+        groups, index = [], 0
+        for g in self.param_groups:
+            entry = {k: v for k, v in g.items() if k != "params"}
+            entry["params"] = list(range(index, index + len(g["params"])))
+            entry["step"] = self.num_steps
+            index += len(g["params"])
+            groups.append(entry)
+        return {"state": {0: {"step": self._step_tensor.clone()}} if self.state else {},
+                "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Hyper-parameters into the same group dicts (the scheduler keeps them), and the step.
+
+        Optimizer *tensors* arrive separately through the DistributedOptimizer accessors.
+        """
+        for g, loaded in zip(self.param_groups, state_dict["param_groups"]):
+            for k, v in loaded.items():
+                if k not in ("params", "step"):
+                    g[k] = v
+        steps = {int(g["step"]) for g in state_dict["param_groups"] if g.get("step") is not None}
+        steps |= {int(s["step"]) for s in state_dict.get("state", {}).values()
+                  if isinstance(s, dict) and "step" in s}
+        if len(steps) > 1:
+            raise ValueError(f"optimizer checkpoint holds different steps per group: {sorted(steps)}")
+        if steps:
+            self.set_step(steps.pop())
+
+    def set_step(self, step: int) -> None:
+        self.num_steps = int(step)
+        self._step_tensor.fill_(float(step))
+        _set_offload_step(self.offload, int(step))
+
+    # -- copies --------------------------------------------------------------------------------
+    def _copy_grads_to_host(self) -> None:
+        if self._d2h_stream is not None:
+            self._d2h_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._d2h_stream):
+                for s in self._segments:
+                    self._grads_host[s.flat_start:s.flat_end].copy_(s.grad_view, non_blocking=True)
+            self._d2h_stream.synchronize()
+        else:
+            for s in self._segments:
+                self._grads_host[s.flat_start:s.flat_end].copy_(s.grad_view)
+
+    def _copy_params_to_device(self, start: int, end: int) -> list:
+        done = []
+        ctx = torch.cuda.stream(self._h2d_stream) if self._h2d_stream is not None else None
+        if ctx is not None:
+            ctx.__enter__()
+        try:
+            for s in self._segments:
+                lo, hi = max(start, s.flat_start), min(end, s.flat_end)
+                if lo >= hi:
+                    continue
+                dst = s.param_view[lo - s.flat_start:hi - s.flat_start]
+                dst.copy_(self._params_host[lo:hi], non_blocking=ctx is not None)
+                done.append((lo, hi))
+        finally:
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+        return done
+
+
+def _set_offload_step(offload, step: int) -> None:
+    """Tell the offload optimizer the number of completed steps (bias correction) after a load."""
+    if hasattr(offload, "set_step"):
+        offload.set_step(step)
+    elif isinstance(getattr(offload, "state", None), dict):
+        for group_state in offload.state.values():  # OffloadAdam: per-group {"step": n}
+            group_state["step"] = step
+    else:
+        offload.num_steps = step
+
+
+class MLPOffloadDistributedOptimizer(DistributedOptimizer):
+    """DistributedOptimizer whose fp32 params and Adam state live on the virtual tier.
+
+    Built by Megatron's own ``get_megatron_optimizer`` (see ``factory.py``); the constructor has
+    DistributedOptimizer's signature. The MLP-Offload config comes from the class attribute
+    ``mlp_config`` that ``factory.bind_mlp_offload`` sets on a bound subclass.
+    """
+
+    mlp_config = None
+    inner_factory: Optional[Callable] = None
+
+    def __init__(self, optimizer, config, grad_scaler, init_state_fn, *args, **kwargs):
+        if self.mlp_config is None:
+            raise ValueError("MLPOffloadDistributedOptimizer needs an MLPOffloadConfig: build it through "
+                             "megatron_mlp.megatron.factory (wrap_get_megatron_optimizer / mlp_offload_optimizers)")
+        if config.optimizer != "adam":
+            raise ValueError(f"--mlp-offload: optimizer {config.optimizer!r} is not supported (only adam)")
+        # Private copy: the caller's config (shared with other optimizers) keeps its meaning.
+        config = copy.copy(config)
+        config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+        # Megatron (ChainedOptimizer.step, MixedPrecisionOptimizer.step) would clip the
+        # low-precision .decoupled_grad in place when clip_grad > 0; we apply the clip in the
+        # kernel instead, so our private config says 0 and we keep the real value.
+        self._clip_grad = float(config.clip_grad)
+        self._grad_norm = None
+        config.clip_grad = 0.0
+        if hasattr(config, "store_param_remainders"):
+            config.store_param_remainders = False  # fp32 masters live on the tier, not as remainders
+        super().__init__(optimizer, config, grad_scaler, init_state_fn, *args, **kwargs)
+        if self.is_stub_optimizer:
+            return
+        if self.ddp_config.use_megatron_fsdp:
+            raise ValueError("--mlp-offload does not support Megatron FSDP; use --use-distributed-optimizer")
+        self._build_flat_layout()
+        factory = self.inner_factory or _default_inner_factory
+        torch_groups = self.optimizer.param_groups  # the dicts the LR scheduler writes
+        offload = factory(self.mlp_config, self._group_ranges, torch_groups, self._initial_params)
+        self.optimizer = _OffloadInner(torch_groups, self._segments, self._numel, self._grad_dtype,
+                                       self._param_dtype, offload)
+
+    # -- layout ---------------------------------------------------------------------------------
+    def _build_flat_layout(self) -> None:
+        """Flat shard: group by group; inside a group, params in buffer order, so that params
+        adjacent in a bucket are adjacent in the shard and share one copy (a _Segment)."""
+        self._param_flat_range: dict = {}  # model_param -> (start, end) in the flat shard
+        self._group_ranges: list[tuple[int, int]] = []
+        segments: list[_Segment] = []
+        grad_dtypes, param_dtypes = set(), set()
+        cursor = 0
+        for group_index, group in enumerate(self.optimizer.param_groups):
+            members = []
+            for model_param, (gi, _order) in self.model_param_group_index_map.items():
+                if gi != group_index:
+                    continue
+                gbuf_index, dtype, bucket_index = self.model_param_gbuf_map[model_param]
+                rng = self._get_model_param_range_map(model_param)
+                world = rng["gbuf_world_in_bucket"]
+                members.append((gbuf_index, bucket_index, world.start, world.end, model_param))
+            members.sort(key=lambda m: (m[0], m[1], m[2]))
+            start = cursor
+            for gbuf_index, bucket_index, w0, w1, model_param in members:
+                bucket = self.buffers[gbuf_index].buckets[bucket_index]
+                grad_dtypes.add(bucket.grad_data.dtype)
+                param_dtypes.add(bucket.param_data.dtype if bucket.param_data is not None else model_param.dtype)
+                self._param_flat_range[model_param] = (cursor, cursor + (w1 - w0))
+                last = segments[-1] if segments and segments[-1].flat_end == cursor else None
+                if (last is not None and last._key == (gbuf_index, bucket_index) and last._w1 == w0):
+                    last.flat_end += w1 - w0
+                    last._w1 = w1
+                else:
+                    seg = _Segment(cursor, cursor + (w1 - w0), None, None)
+                    seg._key, seg._w0, seg._w1 = (gbuf_index, bucket_index), w0, w1
+                    segments.append(seg)
+                cursor += w1 - w0
+            self._group_ranges.append((start, cursor))
+        for seg in segments:
+            bucket = self.buffers[seg._key[0]].buckets[seg._key[1]]
+            seg.grad_view = bucket.grad_data.view(-1)[seg._w0:seg._w1]
+            pdata = bucket.param_data if bucket.param_data is not None else bucket.grad_data
+            seg.param_view = pdata.view(-1)[seg._w0:seg._w1]
+        if len(grad_dtypes) > 1 or len(param_dtypes) > 1:
+            raise ValueError(f"--mlp-offload: one grad and one param dtype per rank expected, got "
+                             f"grads {grad_dtypes}, params {param_dtypes}")
+        self._segments = segments
+        self._numel = cursor
+        self._grad_dtype = grad_dtypes.pop() if grad_dtypes else torch.float32
+        self._param_dtype = param_dtypes.pop() if param_dtypes else torch.float32
+
+    def _initial_params(self, start: int, end: int) -> torch.Tensor:
+        """fp32 copy of the flat shard's [start, end) from the model params (as stock initialises
+        its fp32 main params: ``shard_model_param.clone().float()``)."""
+        out = torch.empty(end - start, dtype=torch.float32)
+        for seg in self._segments:
+            lo, hi = max(start, seg.flat_start), min(end, seg.flat_end)
+            if lo < hi:
+                out[lo - start:hi - start].copy_(seg.param_view[lo - seg.flat_start:hi - seg.flat_start])
+        return out
+
+    # -- gradient semantics (bitwise as stock; see module doc, point 3) -----------------------
+    def prepare_grads(self) -> bool:
+        if not self.is_stub_optimizer:
+            self.optimizer.inv_loss_scale = 1.0
+            self.optimizer.clip_coef = 1.0
+        self._grad_norm = None
+        return super().prepare_grads()
+
+    def _unscale_main_grads_and_check_for_nan(self):
+        # Stock: fp32 grads, _amp_foreach_non_finite_check_and_unscale_ with inv_scale, all-reduce
+        # MAX. Here: the same check with scale 1 (x * 1 == x exactly, so the low-precision grads
+        # are unchanged) and the unscale happens in fp32 inside the Adam kernel.
+        if not self.is_stub_optimizer:
+            main_grads = self._collect_main_grad_data_for_unscaling()
+        self.found_inf.fill_(0.0)
+        if not self.is_stub_optimizer:
+            one = torch.ones(1, dtype=torch.float32, device=self.found_inf.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(main_grads, self.found_inf, one)
+            self.optimizer.inv_loss_scale = float(self.grad_scaler.inv_scale.item())
+        torch.distributed.all_reduce(self.found_inf, op=torch.distributed.ReduceOp.MAX,
+                                     group=self.get_grad_stats_parallel_group())
+        return self.found_inf.item() > 0
+
+    def get_main_grads_for_grad_norm(self):
+        grads = super().get_main_grads_for_grad_norm()
+        if self.is_stub_optimizer:
+            return grads
+        inv = self.optimizer.inv_loss_scale
+        if inv == 1.0 and _l2norm_upcasts_in_registers():
+            # apex/TE multi_tensor_l2norm reads bf16/fp16 and accumulates in fp32: same bits as
+            # stock's norm of the fp32 copy, without materialising it.
+            return grads
+        # Megatron's torch fallback (torch.norm per tensor) would round a bf16 norm to bf16;
+        # stock takes the norm of fp32 (unscaled) grads, so build those transiently.
+        scale = torch.tensor(inv, dtype=torch.float32)
+        return [g.float().mul_(scale) if inv != 1.0 else g.float() for g in grads]
+
+    def get_grad_norm(self):
+        """Stock norm (over the right process group); remembered for the clip coefficient."""
+        self._grad_norm = super().get_grad_norm()
+        return self._grad_norm
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """The norm; the clipping itself happens in fp32 inside the Adam kernel (module doc, 3)."""
+        return self.get_grad_norm()
+
+    @torch.no_grad()
+    def step(self):
+        """MixedPrecisionOptimizer.step with the clip deferred to the kernel (non-chained use)."""
+        timers = self.config.timers
+        if self.prepare_grads():
+            return False, None, None
+        if timers is not None:
+            timers('optimizer-clip-main-grad', log_level=1).start(barrier=self.config.barrier_with_L1_time)
+        grad_norm = self.get_grad_norm() if self._clip_grad > 0.0 else 0.0
+        if timers is not None:
+            timers('optimizer-clip-main-grad').stop()
+        num_zeros_in_grad = self.count_zeros() if self.config.log_num_zeros_in_grad else 0
+        success = self.step_with_ready_grads()
+        return success, grad_norm, num_zeros_in_grad
+
+    def step_with_ready_grads(self) -> bool:
+        if not self.is_stub_optimizer and self._clip_grad > 0.0:
+            if self._grad_norm is None:
+                self.get_grad_norm()
+            # Same coefficient and condition as clip_grad_by_total_norm_fp32.
+            clip_coeff = self._clip_grad / (self._grad_norm + 1.0e-6)
+            self.optimizer.clip_coef = clip_coeff if clip_coeff < 1.0 else 1.0
+        ok = super().step_with_ready_grads()
+        if not self.is_stub_optimizer:
+            report_step_timers(self.config.timers, self.optimizer)
+        return ok
+
+    # -- the checkpoint seam ----------------------------------------------------------------------
+    def _get_main_param_and_optimizer_states(self, model_param):
+        start, end = self._param_flat_range[model_param]
+        tensors = self.optimizer.offload.read_range(start, end)
+        return {"param": tensors["param"], "exp_avg": tensors["exp_avg"], "exp_avg_sq": tensors["exp_avg_sq"]}
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        start, end = self._param_flat_range[model_param]
+        self.optimizer.offload.write_range(
+            start, end, **{k: tensors[k].detach().reshape(-1).to("cpu", torch.float32)
+                           for k in ("param", "exp_avg", "exp_avg_sq") if k in tensors})
+
+    def _copy_model_params_to_main_params(self, state_dict=None):
+        """reload_model_params: fp32 masters on the tier := the model's (or state_dict's) params."""
+        if self.is_stub_optimizer:
+            return
+        source = {}
+        if state_dict is not None:
+            source = self._build_model_param_to_state_dict_param_map(state_dict)
+        for model_param, (start, end) in self._param_flat_range.items():
+            rng = self._get_model_param_range_map(model_param)["param"]
+            src = source.get(model_param, model_param)
+            self.optimizer.offload.write_range(
+                start, end, param=src.detach().view(-1)[rng.start:rng.end].to("cpu", torch.float32))
+
+    def offload_to_cpu(self):
+        """Nothing to move: the optimizer state is already off the device (the param-group
+        tensors are views of the model's param buffer and must stay where they are)."""
+
+    def restore_from_cpu(self):
+        """See offload_to_cpu."""
+
+
+def _l2norm_upcasts_in_registers() -> bool:
+    from megatron.core.optimizer import clip_grads
+
+    impl = getattr(clip_grads, "l2_norm_impl", None)
+    return impl is not None and "local" not in getattr(impl, "__name__", "local")

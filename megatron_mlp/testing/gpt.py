@@ -1,0 +1,130 @@
+"""A tiny Megatron-Core GPT (local layer spec), its DDP wrapper and a training loop.
+
+Used by the oracle tests, the demo and laptop smoke-runs. Everything here is Megatron's own
+code path (GPTModel, Float16Module, DistributedDataParallel, get_megatron_optimizer); only the
+sizes are small. Deterministic: the same seed gives the same weights and batches on every run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TinyGPT:
+    """Sizes of the model and the batches."""
+
+    vocab_size: int = 256      # divisible by 128*TP so vocab padding does not depend on TP (<=2)
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    seq_length: int = 32
+    micro_batch_size: int = 2
+    bf16: bool = True
+    fp16: bool = False
+    seed: int = 1234
+
+    @property
+    def num_params_estimate(self) -> int:
+        h, v, layers = self.hidden_size, self.vocab_size, self.num_layers
+        return v * h + self.seq_length * h + layers * (12 * h * h + 13 * h) + 2 * h
+
+
+def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
+    """Initialise Megatron's parallel state on an initialised torch.distributed (gloo)."""
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             pipeline_model_parallel_size=pp)
+    # Not model_parallel_cuda_manual_seed: it snapshots CUDA generator states. Weights are
+    # initialised on the CPU (use_cpu_initialization) and dropout is off, so one CPU seed suffices.
+    torch.manual_seed(seed)
+
+
+def build_model(spec: TinyGPT, *, grad_reduce_in_fp32: bool = False, bucket_size: int | None = None,
+                overlap_grad_reduce: bool = False):
+    """GPTModel (local spec) in bf16/fp16 via Float16Module, wrapped in Megatron's DDP.
+
+    Returns a one-element list of model chunks, as get_megatron_optimizer expects.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    torch.manual_seed(spec.seed)
+    tconf = TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads, use_cpu_initialization=True,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_dtype=torch.bfloat16 if spec.bf16 else (torch.float16 if spec.fp16 else torch.float32),
+        bf16=spec.bf16, fp16=spec.fp16, params_dtype=torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+    )
+    model = GPTModel(config=tconf, transformer_layer_spec=get_gpt_layer_local_spec(),
+                     vocab_size=spec.vocab_size, max_sequence_length=spec.seq_length,
+                     pre_process=True, post_process=True)
+    if spec.bf16 or spec.fp16:
+        model = Float16Module(tconf, model)
+    ddp_kwargs = dict(grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
+                      use_distributed_optimizer=True)
+    if bucket_size is not None:
+        ddp_kwargs["bucket_size"] = bucket_size
+    ddp = DistributedDataParallel(tconf, DistributedDataParallelConfig(**ddp_kwargs), model)
+    return [ddp]
+
+
+def optimizer_config(spec: TinyGPT, **overrides):
+    """Megatron OptimizerConfig for the tiny model (Adam, distributed optimizer, clipping on)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    kwargs = dict(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.1, adam_beta1=0.9,
+                  adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0, bf16=spec.bf16, fp16=spec.fp16,
+                  use_distributed_optimizer=True)
+    kwargs.update(overrides)
+    return OptimizerConfig(**kwargs)
+
+
+def batch(spec: TinyGPT, iteration: int, dp_rank: int):
+    """Deterministic synthetic batch (tokens, labels, loss_mask, position_ids) for one DP rank."""
+    g = torch.Generator().manual_seed(spec.seed * 1000 + iteration * 16 + dp_rank)
+    # A learnable pattern (next token = token + 1 mod a small period) so the loss falls.
+    start = torch.randint(0, spec.vocab_size, (spec.micro_batch_size, 1), generator=g)
+    steps = torch.arange(spec.seq_length + 1).unsqueeze(0)
+    seq = (start + steps * 7) % spec.vocab_size
+    tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    loss_mask = torch.ones_like(tokens, dtype=torch.float32)
+    position_ids = torch.arange(spec.seq_length).unsqueeze(0).expand_as(tokens).contiguous()
+    return tokens, labels, loss_mask, position_ids
+
+
+def train_step(spec: TinyGPT, model, optimizer, iteration: int, scheduler=None) -> float:
+    """One forward/backward/step on this rank's batch; returns the DP-averaged loss."""
+    from megatron.core import parallel_state
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    tokens, labels, loss_mask, position_ids = batch(spec, iteration, dp_rank)
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    out = model[0](tokens, position_ids, None, labels=labels)
+    loss = (out.float() * loss_mask).sum() / loss_mask.sum()
+    scale = optimizer.get_loss_scale() if hasattr(optimizer, "get_loss_scale") else None
+    (loss * scale if scale is not None else loss).backward()
+    for chunk in model:
+        chunk.finish_grad_sync()
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step(increment=1)
+    reported = loss.detach().clone()
+    torch.distributed.all_reduce(reported, group=parallel_state.get_data_parallel_group())
+    return float(reported) / parallel_state.get_data_parallel_world_size()
+
+
+def model_params(model) -> dict[str, torch.Tensor]:
+    """Copies of this rank's model params by name (for bitwise comparisons)."""
+    return {n: p.detach().clone() for n, p in model[0].named_parameters()}

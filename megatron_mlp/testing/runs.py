@@ -1,0 +1,129 @@
+"""Worker functions for multi-process Megatron runs under the CPU harness (tests, smoke-runs).
+
+Each worker runs on one rank (see ``multiproc.run_distributed``) and returns plain data:
+losses, this rank's model params, and, on request, optimizer facts.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def build(spec, tp: int, mlp_config=None, *, grad_reduce_in_fp32: bool = False, inner_factory=None,
+          opt_overrides: dict | None = None):
+    """Parallel state + tiny GPT + Megatron's optimizer (ours when ``mlp_config`` is given)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from megatron_mlp.megatron.factory import mlp_offload_optimizers
+    from megatron_mlp.testing import gpt, install_cpu_harness
+
+    install_cpu_harness()
+    gpt.init_model_parallel(tp=tp, seed=spec.seed)
+    model = gpt.build_model(spec, grad_reduce_in_fp32=grad_reduce_in_fp32)
+    with mlp_offload_optimizers(mlp_config, inner_factory):
+        opt = get_megatron_optimizer(gpt.optimizer_config(spec, **(opt_overrides or {})), model)
+    return model, opt
+
+
+def inner_optimizers(opt):
+    return list(getattr(opt, "chained_optimizers", [opt]))
+
+
+def train(rank, world_size, spec, tp, mlp_config, iters, grad_reduce_in_fp32=False, inner_factory=None,
+          opt_overrides=None):
+    """Train ``iters`` steps; returns (losses, params-by-name)."""
+    from megatron_mlp.testing import gpt
+
+    model, opt = build(spec, tp, mlp_config, grad_reduce_in_fp32=grad_reduce_in_fp32,
+                       inner_factory=inner_factory, opt_overrides=opt_overrides)
+    losses = [gpt.train_step(spec, model, opt, i) for i in range(iters)]
+    return losses, gpt.model_params(model)
+
+
+def device_state_report(rank, world_size, spec, tp, mlp_config, iters, inner_factory=None):
+    """Train, then list every tensor the optimizer object graph keeps that is not a view of the
+    model's DDP buffers: what would occupy device memory on a GPU (fp32 masters, Adam state)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron_mlp.testing import gpt
+
+    model, opt = build(spec, tp, mlp_config, inner_factory=inner_factory)
+    for i in range(iters):
+        gpt.train_step(spec, model, opt, i)
+    owned_storages = set()
+    for chunk in model:
+        for buf in chunk.buffers:
+            for t in (buf.param_data, buf.grad_data):
+                if t is not None:
+                    owned_storages.add(t.untyped_storage().data_ptr())
+    report = []
+    for dopt in inner_optimizers(opt):
+        assert isinstance(dopt, DistributedOptimizer)
+        fp32_masters = [p for g in dopt.shard_fp32_from_float16_groups for p in g if p is not None]
+        state_tensors = []
+        for st in dopt.optimizer.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.numel() > 1:
+                    state_tensors.append((k, v.numel()))
+        group_params_outside = [p.numel() for g in dopt.optimizer.param_groups for p in g["params"]
+                                if p.untyped_storage().data_ptr() not in owned_storages]
+        report.append({"type": type(dopt).__name__, "fp32_master_numel": sum(p.numel() for p in fp32_masters),
+                       "state_tensor_numel": sum(n for _, n in state_tensors),
+                       "group_params_not_in_ddp_buffers": sum(group_params_outside),
+                       "shard_numel": sum(p.numel() for g in dopt.optimizer.param_groups for p in g["params"])})
+    return report
+
+
+def checkpoint_run(rank, world_size, spec, tp, mlp_config, iters_before, iters_after, ckpt_dir, mode,
+                   sharding_type="dp_reshardable", inner_factory=None):
+    """mode 'save': train iters_before, save, keep training iters_after; 'load': build, load, train
+    iters_after. Returns (losses after the save point, params, optimizer state by param name)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_mlp.testing import gpt
+
+    model, opt = build(spec, tp, mlp_config, inner_factory=inner_factory)
+    meta = {"distrib_optim_sharding_type": sharding_type}
+    gpt_model = model[0].module
+    while hasattr(gpt_model, "module"):  # DDP -> Float16Module -> GPTModel
+        gpt_model = gpt_model.module
+    if mode == "save":
+        for i in range(iters_before):
+            gpt.train_step(spec, model, opt, i)
+        model_sd = gpt_model.sharded_state_dict()
+        sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, metadata=meta)}
+        if rank == 0:
+            os.makedirs(ckpt_dir, exist_ok=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save(sd, ckpt_dir)
+        torch.distributed.barrier()
+    else:
+        if mlp_config is None:
+            # Stock DistributedOptimizer without TE/Apex cannot load into a fresh optimizer (no
+            # torch state yet: an assert on the per-param steps). One step creates that state;
+            # the load then overwrites params, Adam state and step.
+            gpt.train_step(spec, model, opt, 0)
+        model_sd = gpt_model.sharded_state_dict()
+        sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=meta)}
+        loaded = dist_checkpointing.load(sd, ckpt_dir)
+        gpt_model.load_state_dict(loaded["model"])
+        opt.load_state_dict(loaded["optimizer"])
+    state = optimizer_state_by_param(model, opt)
+    losses = [gpt.train_step(spec, model, opt, iters_before + i) for i in range(iters_after)]
+    return losses, gpt.model_params(model), state
+
+
+def optimizer_state_by_param(model, opt) -> dict:
+    """{param name: {"param", "exp_avg", "exp_avg_sq"}} of this rank's shard (fp32 CPU copies)."""
+    names = {p: n for n, p in model[0].named_parameters()}
+    out = {}
+    for dopt in inner_optimizers(opt):
+        for gbuf_range_maps in dopt.gbuf_ranges:
+            for ranges in gbuf_range_maps.values():
+                for bucket_map in ranges:
+                    for model_param in bucket_map["param_map"]:
+                        t = dopt._get_main_param_and_optimizer_states(model_param)
+                        out[names[model_param]] = {k: t[k].detach().float().cpu().clone()
+                                                   for k in ("param", "exp_avg", "exp_avg_sq")}
+    return out

@@ -1,0 +1,32 @@
+"""Smoke test of `megatron-mlp demo`: tiny sizes, --json prints one object, the two losses agree."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+pytestmark = pytest.mark.megatron
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_demo_json_reports_equal_losses_and_a_speedup_when_run_tiny(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_mlp", "demo", "--iters", "3", "--workdir", str(tmp_path),
+         "--hidden-size", "64", "--num-layers", "1", "--vocab-size", "1024", "--subgroup-size", "8192", "--json"],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)  # nothing else on stdout
+    for key in ("mlp_iter_s", "baseline_iter_s", "speedup", "final_loss_mlp", "final_loss_baseline"):
+        assert key in result
+    assert result["final_loss_mlp"] == result["final_loss_baseline"]
+    assert result["losses_equal"] is True
+    assert result["mlp_iter_s"] > 0 and result["baseline_iter_s"] > 0
+    assert any(k.startswith("fetch-tier") for k in result["breakdown_mlp"])
+    assert "iter   3/3" in proc.stderr  # progress goes to stderr with --json
+    assert os.path.isdir(tmp_path)  # a given workdir is kept; its tier files are cleaned

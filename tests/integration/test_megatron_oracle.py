@@ -1,0 +1,105 @@
+"""Oracle: MLP-Offload inside Megatron-Core equals Megatron's own DistributedOptimizer.
+
+Tiny GPT (local spec, bf16 via Float16Module), 2 gloo processes under the CPU harness, 10 steps
+with gradient clipping active. With a bf16 gradient buffer the losses and every parameter must be
+bitwise equal; the same holds with an fp32 gradient buffer (grad_reduce_in_fp32): the kernel
+reads the fp32 gradient as stock does, so no tolerance is needed there either.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+pytestmark = [pytest.mark.megatron,
+              pytest.mark.skipif(torch.cuda.is_available(), reason="runs under the CPU harness (no CUDA)")]
+
+from megatron_mlp.config import MLPOffloadConfig  # noqa: E402
+from megatron_mlp.testing import gpt  # noqa: E402
+from megatron_mlp.testing.multiproc import run_distributed  # noqa: E402
+from megatron_mlp.testing.reference_offload import InMemoryAdam  # noqa: E402
+from megatron_mlp.testing.runs import device_state_report, train  # noqa: E402
+
+
+def _offload_adam_ready() -> str | None:
+    """None when the real OffloadAdam can run here, else the reason it cannot."""
+    try:
+        import megatron_mlp.optim.checksum  # noqa: F401
+        import megatron_mlp.optim.fused_adam  # noqa: F401
+        from megatron_mlp.optim.offload_adam import OffloadAdam  # noqa: F401
+    except ImportError as exc:
+        return f"OffloadAdam's kernel is not available in this build: {exc}"
+    return None
+
+
+# "offload": the real OffloadAdam on tier directories; "reference": InMemoryAdam, the contract's
+# test double, which isolates the Megatron layer (layout, copies, unscale/clip, accessors).
+INNERS = [pytest.param(None, id="offload",
+                       marks=pytest.mark.skipif(_offload_adam_ready() is not None,
+                                                reason=str(_offload_adam_ready()))),
+          pytest.param(InMemoryAdam, id="reference")]
+
+ITERS = 10
+SPEC = gpt.TinyGPT()
+_STOCK: dict = {}
+
+
+def _stock(tp, fp32_grads=False):
+    key = (tp, fp32_grads)
+    if key not in _STOCK:
+        _STOCK[key] = run_distributed(train, 2, SPEC, tp, None, ITERS, fp32_grads)
+    return _STOCK[key]
+
+
+def _assert_bitwise(ours, stock):
+    for rank, ((l1, p1), (l0, p0)) in enumerate(zip(ours, stock)):
+        assert l1 == l0, f"rank {rank}: losses differ\nours  {l1}\nstock {l0}"
+        for name in p0:
+            assert torch.equal(p1[name], p0[name]), f"rank {rank}: {name} differs"
+
+
+def _config(tmp_path, **kw):
+    paths = ";".join(str(tmp_path / f"tier{i}") for i in range(kw.pop("num_tiers", 1)))
+    for i in range(len(paths.split(";"))):
+        (tmp_path / f"tier{i}").mkdir(exist_ok=True)
+    return MLPOffloadConfig.from_paths(paths, calibration="off", **kw)
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
+@pytest.mark.parametrize("settings", [
+    dict(num_tiers=1, subgroup_params=4096),                           # many subgroups, no cache
+    dict(num_tiers=2, subgroup_params=10_000, host_cache_bytes=1 << 20),  # two paths, cached
+    dict(num_tiers=2, subgroup_params=1_000_000, order="ascending"),   # one subgroup per group
+], ids=["1tier-4k", "2tiers-cache", "big-subgroups"])
+@pytest.mark.parametrize("inner", INNERS)
+def test_losses_and_params_bitwise_equal_stock_when_bf16_grad_buffer(tmp_path, tp, settings, inner):
+    if inner is not None and settings["num_tiers"] != 1:
+        pytest.skip("the reference double has no tiers: one tier setting is enough for it")
+    ours = run_distributed(train, 2, SPEC, tp, _config(tmp_path, **settings), ITERS, False, inner)
+    _assert_bitwise(ours, _stock(tp))
+
+
+@pytest.mark.parametrize("inner", INNERS)
+def test_losses_and_params_bitwise_equal_stock_when_fp32_grad_buffer(tmp_path, inner):
+    ours = run_distributed(train, 2, SPEC, 1, _config(tmp_path, subgroup_params=8192), ITERS, True, inner)
+    _assert_bitwise(ours, _stock(1, True))
+
+
+@pytest.mark.parametrize("inner", INNERS)
+def test_no_optimizer_state_on_device_when_offloaded(tmp_path, inner):
+    report = run_distributed(device_state_report, 2, SPEC, 1, _config(tmp_path, subgroup_params=8192), 2,
+                             inner)
+    for rank_report in report:
+        for r in rank_report:
+            assert r["type"] == "MLPOffloadDistributedOptimizer"
+            assert r["shard_numel"] > 0
+            assert r["fp32_master_numel"] == 0, r      # no fp32 master copy
+            assert r["state_tensor_numel"] == 0, r     # no exp_avg / exp_avg_sq tensors
+            assert r["group_params_not_in_ddp_buffers"] == 0, r  # group params are buffer views
+
+
+def test_stock_keeps_its_state_on_device_which_the_report_detects():
+    """The same report on stock DistributedOptimizer finds its 12 bytes/param (so it can fail)."""
+    report = run_distributed(device_state_report, 2, SPEC, 1, None, 1)
+    r = report[0][0]
+    assert r["fp32_master_numel"] == r["shard_numel"] and r["state_tensor_numel"] >= 2 * r["shard_numel"]
