@@ -5,8 +5,13 @@ PIP := $(PYTHON) -m pip
 # Pinned: a free choice of torch downloads a multi-GB CUDA build on a CPU machine.
 TORCH_SPEC ?= torch==2.13.0
 MCORE_SPEC ?= megatron-core==0.16.1
+# The older supported Megatron-Core line, tested in a venv that reuses the system torch and
+# shadows megatron-core only.
+OLDER_MCORE_SPEC ?= megatron-core==0.13.1
+OLDER_VENV ?= .venv-mcore-older
+MEGATRON_TESTS := tests/unit/test_cpu_harness.py tests/unit/test_cpu_harness_gpt.py $(wildcard tests/integration/test_megatron_*.py)
 
-.PHONY: install demo test test-cpp clean
+.PHONY: install demo test test-megatron-older test-cpp clean
 
 install:
 	$(PIP) install -q "$(TORCH_SPEC)"
@@ -17,6 +22,14 @@ demo: install
 
 test: install
 	$(PYTHON) -m pytest -q -ra tests
+	$(MAKE) test-megatron-older
+
+# The Megatron integration tests again with the older Megatron-Core line.
+test-megatron-older: install
+	test -x $(OLDER_VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(OLDER_VENV)
+	$(OLDER_VENV)/bin/python -m pip install -q "$(OLDER_MCORE_SPEC)"
+	PYTHONPATH=$(CURDIR) $(OLDER_VENV)/bin/python -c "import megatron.core as m; print('megatron-core', m.__version__)"
+	PYTHONPATH=$(CURDIR) $(OLDER_VENV)/bin/python -m pytest -q -ra $(MEGATRON_TESTS)
 
 clean:
-	rm -rf build *.egg-info megatron_mlp/*.so tests/cpp/bin
+	rm -rf build *.egg-info $(OLDER_VENV) megatron_mlp/*.so tests/cpp/bin

@@ -246,7 +246,7 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         super().__init__(optimizer, config, grad_scaler, init_state_fn, *args, **kwargs)
         if self.is_stub_optimizer:
             return
-        if self.ddp_config.use_megatron_fsdp:
+        if getattr(self.ddp_config, "use_megatron_fsdp", False):  # field absent before 0.14
             raise ValueError("--mlp-offload does not support Megatron FSDP; use --use-distributed-optimizer")
         self._build_flat_layout()
         factory = self.inner_factory or _default_inner_factory
