@@ -56,6 +56,9 @@ unsigned next_pow2(unsigned v) {
 
 const char* op_name(Op op) { return op == Op::kRead ? "read" : "write"; }
 
+// A transfer the kernel keeps refusing with EAGAIN is failed rather than retried forever.
+constexpr int kMaxAttempts = 10000;
+
 }  // namespace
 
 Engine::Engine(const EngineOptions& opts) : opts_(opts), t0_(std::chrono::steady_clock::now()) {
@@ -88,13 +91,14 @@ Engine::Engine(const EngineOptions& opts) : opts_(opts), t0_(std::chrono::steady
 
     for (int d = 0; d < 2; ++d) {
         const uint64_t rate = d == 0 ? opts_.read_limit_bytes_per_s : opts_.write_limit_bytes_per_s;
-        // 20 ms of credit: enough to keep the queue busy, small against any measured interval.
-        caps_[d] = TokenBucket(rate, std::max<uint64_t>(rate / 50, kAlignment));
+        // At most 50 ms of credit: absorbs a late timer wake-up on a loaded machine, yet stays
+        // small against the second-long transfers a capped tier serves.
+        caps_[d] = TokenBucket(rate, std::max<uint64_t>(rate / 20, kAlignment));
     }
     slots_.resize(opts_.queue_depth);
     bounce_.resize(opts_.queue_depth);
     for (size_t i = opts_.queue_depth; i-- > 0;) free_slots_.push_back(i);
-    dispatcher_ = std::thread([this] { run(); });
+    timer_ = std::thread([this] { run(); });
 }
 
 Engine::~Engine() { close(); }
@@ -167,7 +171,7 @@ std::shared_ptr<Request> Engine::submit(Op op, const std::shared_ptr<File>& file
     }
     req->tasks_left_ = n;
     ++active_requests_;
-    cv_.notify_one();
+    pump_locked();
     return req;
 }
 
@@ -260,11 +264,33 @@ double Engine::fill_locked(std::vector<IOTask>* batch) {
 }
 
 void Engine::on_complete(const IOCompletion* c, size_t n) {
-    {
-        std::lock_guard<std::mutex> lk(mu_);
-        completions_.insert(completions_.end(), c, c + n);
+    std::lock_guard<std::mutex> lk(mu_);
+    for (size_t i = 0; i < n; ++i) handle_completion_locked(c[i]);
+    pump_locked();
+}
+
+void Engine::pump_locked() {
+    for (;;) {
+        while (!completions_.empty()) {
+            local_.swap(completions_);
+            for (const auto& c : local_) handle_completion_locked(c);
+            local_.clear();
+        }
+        batch_.clear();
+        const double wait = fill_locked(&batch_);
+        if (!batch_.empty()) {
+            const int r = backend_->submit(batch_.data(), batch_.size());
+            if (r < 0) {
+                for (const auto& t : batch_) completions_.push_back(IOCompletion{t.tag, r});
+            }
+        }
+        if (completions_.empty()) {
+            // Wake the timer when it is idle or sleeping longer than this cap now needs.
+            if (wait > 0 && (throttle_wait_s_ == 0 || wait < throttle_wait_s_)) cv_.notify_one();
+            throttle_wait_s_ = wait;
+            return;
+        }
     }
-    cv_.notify_one();
 }
 
 void Engine::fail_locked(const std::shared_ptr<Request>& req, int err, const std::string& what, uint64_t at) {
@@ -297,7 +323,7 @@ void Engine::handle_completion_locked(const IOCompletion& c) {
     const int64_t res = c.result;
     const bool read = r.op_ == Op::kRead;
 
-    if (res == -EAGAIN || res == -EINTR) {
+    if ((res == -EAGAIN || res == -EINTR) && task.attempts < kMaxAttempts) {
         stats_.retries++;
         pending_[d].push_front(std::move(task));
         return;
@@ -340,28 +366,13 @@ void Engine::handle_completion_locked(const IOCompletion& c) {
 
 void Engine::run() {
     std::unique_lock<std::mutex> lk(mu_);
-    std::vector<IOTask> batch;
-    std::vector<IOCompletion> local;
     for (;;) {
-        if (!completions_.empty()) {
-            local.swap(completions_);
-            for (const auto& c : local) handle_completion_locked(c);
-            local.clear();
-        }
-        batch.clear();
-        const double wait = fill_locked(&batch);
-        if (!batch.empty()) {
-            const int r = backend_->submit(batch.data(), batch.size());
-            if (r < 0) {
-                for (const auto& t : batch) completions_.push_back(IOCompletion{t.tag, r});
-            }
-        }
-        if (!completions_.empty()) continue;
-        if (stop_ && active_requests_ == 0 && inflight_ == 0) break;
-        if (wait > 0) {
+        if (exit_) return;
+        if (throttle_wait_s_ > 0) {
             const double t = now_s();
-            cv_.wait_for(lk, std::chrono::duration<double>(wait));
+            cv_.wait_for(lk, std::chrono::duration<double>(throttle_wait_s_));
             stats_.throttle_s += now_s() - t;
+            pump_locked();
         } else {
             cv_.wait(lk);
         }
@@ -385,8 +396,13 @@ void Engine::close() {
         if (closed_) return;
         stop_ = true;  // refuse new requests; queued and in-flight ones run to completion
     }
+    wait_all(-1);
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        exit_ = true;
+    }
     cv_.notify_all();
-    if (dispatcher_.joinable()) dispatcher_.join();
+    if (timer_.joinable()) timer_.join();
     backend_.reset();  // joins the backend's threads; nothing is in flight any more
     std::lock_guard<std::mutex> lk(mu_);
     closed_ = true;

@@ -7,7 +7,7 @@ namespace mlp {
 TokenBucket::TokenBucket(uint64_t rate_bytes_per_s, uint64_t burst_bytes)
     : rate_(static_cast<double>(rate_bytes_per_s)),
       burst_(static_cast<double>(burst_bytes)),
-      tokens_(static_cast<double>(burst_bytes)) {}
+      tokens_(0) {}
 
 void TokenBucket::refill(double now_s) {
     if (last_s_ >= 0 && now_s > last_s_) tokens_ = std::min(burst_, tokens_ + (now_s - last_s_) * rate_);

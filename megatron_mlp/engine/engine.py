@@ -344,6 +344,12 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def __del__(self):
+        # Finish in-flight I/O before the buffers held in _tracked can be released.
+        eng = getattr(self, "_eng", None)
+        if eng is not None:
+            eng.close()
+
     # ---- tests and statistics -----------------------------------------------------------------
     def inject_fault(self, nth: int = 1, err: int = _errno.EIO, short: bool = False, op: str = "any",
                      every: bool = False, path_contains: str = "") -> None:

@@ -305,3 +305,16 @@ def test_stats_count_requests_bytes_and_busy_time(backend, disk_dir):
     assert st["write_requests"] == 1 and st["read_requests"] == 2 and st["requests"] == 3
     assert st["bytes_written"] == 2 * MiB and st["bytes_read"] == 2 * MiB + 4096
     assert st["busy_s"] > 0
+
+
+def test_dropping_the_engine_finishes_in_flight_io_before_freeing_buffers(backend, disk_dir):
+    import gc
+
+    path = os.path.join(disk_dir, "gc.bin")
+    eng = Engine(backend=backend, write_limit_bytes_per_s=50 * MiB)
+    f = eng.open(path)
+    expected = pattern(4 * MiB, 78)
+    eng.write(f, expected.copy(), 0)
+    del eng, f
+    gc.collect()
+    assert np.array_equal(read_file(path, 0, 4 * MiB), expected)

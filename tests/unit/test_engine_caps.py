@@ -14,8 +14,9 @@ from megatron_mlp.engine import Engine
 from engine_helpers import BACKENDS
 
 MiB = 1 << 20
-CAP = 100 * MiB  # bytes/s
-TOTAL = 40 * MiB  # ~0.4 s at the cap
+# Caps far below what tmpfs sustains even on a busy machine, so only the cap limits the rate.
+CAP = 50 * MiB  # bytes/s
+TOTAL = 24 * MiB  # ~0.5 s at the cap
 
 
 def _rate(eng, f, write: bool, buf) -> float:
@@ -27,26 +28,27 @@ def _rate(eng, f, write: bool, buf) -> float:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_write_and_read_caps_hold_within_15_percent(backend, shm_dir):
-    with Engine(backend=backend, block_bytes=256 << 10, read_limit_bytes_per_s=2 * CAP,
-                write_limit_bytes_per_s=CAP) as eng:
-        f = eng.open(f"{shm_dir}/cap.bin")
-        buf = eng.alloc(4 * MiB)
-        write_rate = _rate(eng, f, True, buf)
-        read_rate = _rate(eng, f, False, buf)
+@pytest.mark.parametrize("write", [True, False], ids=["write", "read"])
+def test_cap_holds_within_15_percent(backend, write, shm_dir):
+    path = f"{shm_dir}/cap.bin"
+    with Engine(backend=backend) as fill:
+        fill.write(fill.open(path), np.zeros(TOTAL, np.uint8), 0).wait()
+    # A fresh engine per direction: its bucket starts without credit, as a tier's would.
+    cap = {"read_limit_bytes_per_s": 0 if write else CAP, "write_limit_bytes_per_s": CAP if write else 0}
+    with Engine(backend=backend, block_bytes=256 << 10, **cap) as eng:
+        rate = _rate(eng, eng.open(path), write, eng.alloc(2 * MiB))
         assert eng.stats()["throttle_s"] > 0
-    assert 0.85 * CAP <= write_rate <= 1.15 * CAP, write_rate / CAP
-    assert 0.85 * 2 * CAP <= read_rate <= 1.15 * 2 * CAP, read_rate / (2 * CAP)
+    assert 0.85 * CAP <= rate <= 1.15 * CAP, rate / CAP
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_write_cap_does_not_slow_reads_when_only_writes_are_capped(backend, shm_dir):
-    with Engine(backend=backend, write_limit_bytes_per_s=20 * MiB) as eng:
+    with Engine(backend=backend, write_limit_bytes_per_s=8 * MiB) as eng:
         f = eng.open(f"{shm_dir}/cap2.bin")
         data = np.ones(8 * MiB, np.uint8)
         with Engine(backend=backend) as fast:  # fill the file without the cap
             fast.write(fast.open(f"{shm_dir}/cap2.bin"), data, 0).wait()
-        slow_write = eng.write(f, np.ones(8 * MiB, np.uint8), 8 * MiB)  # ~0.4 s at the cap
+        slow_write = eng.write(f, np.ones(6 * MiB, np.uint8), 8 * MiB)  # ~0.75 s at the cap
         out = np.zeros(8 * MiB, np.uint8)
         eng.read(f, out, 0).wait()
         assert not slow_write.done()  # the uncapped read overtook the capped write

@@ -1,9 +1,10 @@
 // mlp::Engine: asynchronous reads and writes of host memory to files at offsets.
 //
-// One Engine owns its backend (io_uring ring or thread pool), its dispatcher thread, its bounce
+// One Engine owns its backend (io_uring ring or thread pool), its timer thread, its bounce
 // buffers, its bandwidth caps and its fault injector: no global state. A request is split into
-// tasks of block_bytes; at most queue_depth tasks are in flight. The dispatcher is the only
-// thread that issues tasks; backends report completions back to it.
+// tasks of block_bytes; at most queue_depth tasks are in flight. Completions are handled and new
+// tasks are issued under the engine lock by whichever thread holds it; a timer thread resumes
+// issuing when a bandwidth cap held tasks back.
 #pragma once
 
 #include <chrono>
@@ -47,7 +48,7 @@ struct EngineStats {
     uint64_t bounced_tasks = 0;    // ... O_DIRECT through a bounce buffer (unaligned user memory)
     uint64_t retries = 0;          // short transfers and EAGAIN re-queued
     double busy_s = 0;             // wall time with at least one transfer in flight
-    double throttle_s = 0;         // wall time the dispatcher waited for a bandwidth cap
+    double throttle_s = 0;         // wall time tasks waited for a bandwidth cap
 };
 
 class Engine;
@@ -81,7 +82,7 @@ private:
     uint64_t bytes_final_ = 0;
     Status status_;
 
-    // Dispatcher bookkeeping, guarded by Engine::mu_.
+    // Engine bookkeeping, guarded by Engine::mu_.
     char* buf_ = nullptr;
     std::shared_ptr<FileDescriptors> fds_;
     bool direct_ = false;
@@ -141,7 +142,11 @@ private:
         int injected = 0;      // errno injected instead of issuing a transfer
     };
 
-    void run();
+    void run();  // the timer thread: resumes issuing when a bandwidth cap allows it again
+    // Handles pending completions and issues whatever depth and caps allow, from whichever thread
+    // holds mu_ (submitter, backend completion thread, timer), so a completion refills the queue
+    // without a thread hop.
+    void pump_locked();
     double now_s() const;
     // Issues as many pending tasks as queue depth and caps allow; returns seconds until a
     // capped direction may go again (0 when nothing waits on a cap).
@@ -159,23 +164,27 @@ private:
     std::unique_ptr<IOBackend> backend_;
 
     mutable std::mutex mu_;
-    std::condition_variable cv_;       // wakes the dispatcher
+    std::condition_variable cv_;       // wakes the timer thread
     std::condition_variable idle_cv_;  // wakes wait_all()
     std::deque<Task> pending_[2];      // per direction, FIFO; retries go to the front
     std::vector<Slot> slots_;          // queue_depth slots; index == tag
     std::vector<size_t> free_slots_;
-    std::vector<IOCompletion> completions_;
+    std::vector<IOCompletion> completions_;  // injected faults and refused submissions
+    std::vector<IOCompletion> local_;
+    std::vector<IOTask> batch_;
+    double throttle_wait_s_ = 0;  // > 0: a capped direction has work; the timer thread retries
     std::vector<AlignedBuffer> bounce_;  // one block per slot, allocated on first use
     TokenBucket caps_[2];
     FaultInjector faults_;
     size_t inflight_ = 0;
     size_t active_requests_ = 0;
-    bool stop_ = false;
+    bool stop_ = false;   // no new requests
+    bool exit_ = false;   // timer thread leaves
     bool closed_ = false;
     EngineStats stats_;
     double busy_since_ = 0;
     std::chrono::steady_clock::time_point t0_;
-    std::thread dispatcher_;
+    std::thread timer_;
     std::mutex close_mu_;
 };
 

@@ -1,7 +1,9 @@
 // Bandwidth cap (bytes/s) for one direction of one engine: a QoS limit on a shared tier or an
 // emulated slower tier in benchmarks. Debt-based: a transfer may start while the balance is
 // non-negative and drives it negative, so any transfer size is allowed and the long-run rate
-// converges to `rate` with at most `burst` + one transfer of excess.
+// converges to `rate`. The balance starts at zero, so a fresh bucket exceeds the rate by at
+// most one transfer; while idle it accumulates up to `burst` bytes of credit, which also
+// absorbs a late wake-up of the thread that issues the next transfer on a busy machine.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +12,7 @@ namespace mlp {
 
 class TokenBucket {
 public:
-    // rate_bytes_per_s == 0 disables the cap. burst_bytes: credit that can accumulate while idle.
+    // rate_bytes_per_s == 0 disables the cap. burst_bytes: the most credit that can accumulate.
     TokenBucket(uint64_t rate_bytes_per_s = 0, uint64_t burst_bytes = 0);
 
     bool enabled() const { return rate_ > 0; }

@@ -1,6 +1,6 @@
 // io_uring backend through raw syscalls against <linux/io_uring.h> (no liburing).
 //
-// One ring per engine. The engine's dispatcher is the only producer of submission entries;
+// One ring per engine. Entries are produced under the engine lock (one producer at a time);
 // a reaper thread blocks in io_uring_enter(GETEVENTS) and hands completions back. Shutdown
 // posts a NOP whose tag tells the reaper to leave.
 #include <linux/io_uring.h>
@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstring>
 #include <thread>
@@ -174,8 +175,9 @@ private:
         while (!stop) {
             const int r = sys_enter(ring_fd_, 0, 1, IORING_ENTER_GETEVENTS);
             if (r < 0 && errno != EINTR && errno != EAGAIN && errno != EBUSY) {
-                // Only a broken ring gets here; nothing sensible remains but to stop.
-                break;
+                // Not expected on a ring we own; back off and keep reaping, since giving up would
+                // leave every request in flight unfinished.
+                std::this_thread::sleep_for(std::chrono::milliseconds(1));
             }
             unsigned head = *cq_head_;
             const unsigned tail = load_acquire(cq_tail_);
