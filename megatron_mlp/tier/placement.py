@@ -9,10 +9,13 @@ Pure Python, no I/O. The model, per tier ``j`` and per optimizer step:
   has one limit for reads and writes together (``shared_rw_limit``, e.g. a virtio disk, most single
   SSDs under mixed load) the tier is busy ``n_j * (r_j/R_j + w_j/W_j)``; if reads and writes have
   separate limits (full-duplex network file systems) ``n_j * max(r_j/R_j, w_j/W_j)``.
-* Subgroups kept in the host cache move no bytes in that step, but they still need a home on a tier
-  (the cache set rotates with the alternating order and is flushed on eviction), so they count
-  against capacity. Which subgroups are cached is the optimizer's decision; by default the ones
-  processed last in an ascending pass, as many as fit in the host-cache budget.
+* The host cache, two models. ``resident``: the cached subgroups stay in host memory and move no
+  bytes (which ones is the optimizer's decision; by default the ones an ascending pass ends with, as
+  many as fit the budget). ``alternate``: the steady state of the alternating ascending/descending
+  order -- each iteration the subgroups the cache holds at its start are updated first without a
+  read and written out later, and the ones updated last stay cached without a write; head and tail
+  swap roles every iteration, so a tier's time is that of its slower iteration. Either way cached
+  subgroups keep a home on a tier (they are flushed on eviction), so they count against capacity.
 * The update's I/O time is the slowest tier's time; all tiers should finish together.
 
 Assignment: greedy longest-processing-time first (largest movers first, each onto the tier whose
@@ -100,6 +103,7 @@ class Placement:
     host_cache_bytes: int = 0
     cached_bytes: int = 0
     notes: tuple[str, ...] = field(default=())
+    cache_model: str = "resident"
 
     @property
     def num_subgroups(self) -> int:
@@ -138,6 +142,7 @@ class Placement:
             "cached_subgroups": self.cached_subgroups(),
             "host_cache_bytes": self.host_cache_bytes,
             "cached_bytes": self.cached_bytes,
+            "cache_model": self.cache_model,
             "ranks_per_node": self.ranks_per_node,
             "predicted_seconds": self.total_seconds,
             "lower_bound_seconds": self.lower_bound_seconds,
@@ -166,8 +171,13 @@ class Placement:
         lines += [fmt.format(*r) for r in rows]
         lines.append("")
         lines.append(f"ranks per node: {self.ranks_per_node} (a tier's bandwidth is shared by the ranks using it)")
-        lines.append(f"host cache: {len(self.cached_subgroups())} subgroups, {human_bytes(self.cached_bytes)} "
-                     f"of a {human_bytes(self.host_cache_bytes)} budget per rank (move no bytes)")
+        if self.cache_model == "alternate":
+            lines.append(f"host cache: {human_bytes(self.cached_bytes)} of a {human_bytes(self.host_cache_bytes)} "
+                         f"budget per rank; alternating order: {len(self.cached_subgroups())} subgroups at the ends "
+                         "skip a read or a write every iteration")
+        else:
+            lines.append(f"host cache: {len(self.cached_subgroups())} subgroups, {human_bytes(self.cached_bytes)} "
+                         f"of a {human_bytes(self.host_cache_bytes)} budget per rank (move no bytes)")
         lines.append("sizes are per rank; times are wall-clock per step with all ranks of the node")
         lines.append(f"predicted update I/O per step: {human_seconds(self.total_seconds)} (slowest tier)")
         lines.append(f"lower bound (fluid, capacity-aware): {human_seconds(self.lower_bound_seconds)} "
@@ -246,15 +256,17 @@ class _Model:
         return a + b if self.shared[j] else max(a, b)
 
 
-def _lower_bound(model: _Model, moves: list[tuple[int, int]], sizes: list[int], cached: set[int]) -> float:
-    """Fluid optimum: bytes divisible in the aggregate read:write mix, each tier filled up to its
-    capacity (cached subgroups' homes are ignored: a relaxation, so still a lower bound)."""
-    total_r = sum(moves[i][0] for i in range(len(moves)) if i not in cached)
-    total_w = sum(moves[i][1] for i in range(len(moves)) if i not in cached)
+def _lower_bound(model: _Model, moves: list[tuple[int, int]], sizes: list[int]) -> float:
+    """Fluid optimum of one iteration: bytes divisible in the aggregate read:write mix, each tier
+    filled up to its capacity (homes of subgroups that move nothing are ignored: a relaxation, so
+    still a lower bound)."""
+    movers = [i for i in range(len(moves)) if moves[i] != (0, 0)]
+    total_r = sum(moves[i][0] for i in movers)
+    total_w = sum(moves[i][1] for i in movers)
     total = total_r + total_w
     if total == 0:
         return 0.0
-    stored = sum(sizes[i] for i in range(len(sizes)) if i not in cached)
+    stored = sum(sizes[i] for i in movers)
     a = total_r / total
     # Per "moved byte" unit: time on tier j and the stored bytes it brings along.
     unit_time = [model.time(j, a, 1.0 - a) for j in range(model.n)]
@@ -275,13 +287,90 @@ def _lower_bound(model: _Model, moves: list[tuple[int, int]], sizes: list[int], 
     return math.inf  # does not fit at all (plan_placement raises before this matters)
 
 
+CACHE_MODELS = ("resident", "alternate")
+
+
+def _cache_sets(sizes, moves, host_cache_bytes, cached_subgroups, cache_model):
+    """Per-iteration moves (one list per iteration parity) and the subgroups the cache serves."""
+    n = len(sizes)
+    if cache_model not in CACHE_MODELS:
+        raise ConfigError(f"cache_model={cache_model!r} is not one of {', '.join(CACHE_MODELS)}")
+    if cache_model == "alternate":
+        if cached_subgroups is not None:
+            raise ConfigError("cached_subgroups is for cache_model='resident'; 'alternate' derives both sets "
+                              "from the budget")
+        tail = set(default_cached_subgroups(sizes, host_cache_bytes))
+        head = set(n - 1 - i for i in default_cached_subgroups(sizes[::-1], host_cache_bytes))
+        # Iteration after an ascending pass (cache holds the tail): the tail is updated first without
+        # a read and written out later; the head is read, updated last and stays (no write). The next
+        # iteration swaps the roles.
+        def parity(hits, kept):
+            return [(0 if i in hits else r, 0 if i in kept else w) for i, (r, w) in enumerate(moves)]
+        used = max(sum(sizes[i] for i in tail), sum(sizes[i] for i in head))
+        return [parity(tail, head), parity(head, tail)], tail | head, used
+    if cached_subgroups is None:
+        cached = set(default_cached_subgroups(sizes, host_cache_bytes))
+    else:
+        cached = set(int(i) for i in cached_subgroups)
+        if any(i < 0 or i >= n for i in cached):
+            raise ConfigError(f"cached subgroup index out of range 0..{n - 1}")
+        used = sum(sizes[i] for i in cached)
+        if used > host_cache_bytes:
+            raise ConfigError(f"--mlp-offload-host-cache: the cached subgroups need {used} bytes, "
+                              f"the budget is {host_cache_bytes}")
+    return [[(0, 0) if i in cached else m for i, m in enumerate(moves)]], cached, sum(sizes[i] for i in cached)
+
+
+class _State:
+    """Per-tier sums for every iteration parity; a tier's time is its slowest parity."""
+
+    def __init__(self, model: _Model, pmoves, sizes):
+        self.model, self.pmoves, self.sizes = model, pmoves, sizes
+        self.P = len(pmoves)
+        self.stored = [0] * model.n
+        self.rd = [[0] * model.n for _ in range(self.P)]
+        self.wr = [[0] * model.n for _ in range(self.P)]
+        self.times = [0.0] * model.n
+
+    def time_with(self, j: int, add=(), remove=()) -> float:
+        worst = 0.0
+        for p in range(self.P):
+            r, w = self.rd[p][j], self.wr[p][j]
+            for i in add:
+                r += self.pmoves[p][i][0]
+                w += self.pmoves[p][i][1]
+            for i in remove:
+                r -= self.pmoves[p][i][0]
+                w -= self.pmoves[p][i][1]
+            worst = max(worst, self.model.time(j, r, w))
+        return worst
+
+    def put(self, i: int, j: int) -> None:
+        self.stored[j] += self.sizes[i]
+        for p in range(self.P):
+            self.rd[p][j] += self.pmoves[p][i][0]
+            self.wr[p][j] += self.pmoves[p][i][1]
+        self.times[j] = self.time_with(j)
+
+    def take(self, i: int, j: int) -> None:
+        self.stored[j] -= self.sizes[i]
+        for p in range(self.P):
+            self.rd[p][j] -= self.pmoves[p][i][0]
+            self.wr[p][j] -= self.pmoves[p][i][1]
+        self.times[j] = self.time_with(j)
+
+    def worst_parity(self, j: int) -> int:
+        return max(range(self.P), key=lambda p: self.model.time(j, self.rd[p][j], self.wr[p][j]))
+
+
 def plan_placement(subgroup_bytes: Sequence[int],
                    moved_bytes=None,
                    tiers: Sequence[PlacementTier] = (),
                    ranks_per_node: int = 1,
                    host_cache_bytes: int = 0,
                    cached_subgroups: Iterable[int] | None = None,
-                   improve: bool = True) -> Placement:
+                   improve: bool = True,
+                   cache_model: str = "resident") -> Placement:
     """Assign each subgroup to a tier so that all tiers finish their per-step I/O together.
 
     Args:
@@ -290,9 +379,16 @@ def plan_placement(subgroup_bytes: Sequence[int],
             an int or a sequence of ints (read = write = value) or of (read_bytes, write_bytes).
         tiers: :class:`PlacementTier` per storage path (node-level bandwidth and capacity).
         ranks_per_node: ranks of the node that share each tier (unless a tier says otherwise).
-        host_cache_bytes: per-rank host-cache budget; cached subgroups move no bytes.
-        cached_subgroups: which subgroups the cache holds (default: the last ones that fit).
+        host_cache_bytes: per-rank host-cache budget.
+        cached_subgroups: ('resident' only) which subgroups the cache holds (default: the last ones
+            that fit).
         improve: run the local-improvement pass after the greedy assignment.
+        cache_model: 'resident': the cached subgroups stay in host memory and move no bytes.
+            'alternate': the steady state of the alternating ascending/descending order with a cache
+            of ``host_cache_bytes``: in each iteration the subgroups the cache holds at its start are
+            updated first without a read (and written out later), the ones updated last stay cached
+            without a write; the two sets (tail and head) swap roles every iteration, and a tier's
+            time is that of its slower iteration.
 
     Returns:
         A :class:`Placement`.
@@ -314,64 +410,58 @@ def plan_placement(subgroup_bytes: Sequence[int],
         raise ConfigError(f"--mlp-offload-host-cache: {host_cache_bytes} must be >= 0")
     moves = _as_pairs(moved_bytes, sizes)
     n = len(sizes)
-    if cached_subgroups is None:
-        cached = set(default_cached_subgroups(sizes, host_cache_bytes))
-    else:
-        cached = set(int(i) for i in cached_subgroups)
-        if any(i < 0 or i >= n for i in cached):
-            raise ConfigError(f"cached subgroup index out of range 0..{n - 1}")
-        used = sum(sizes[i] for i in cached)
-        if used > host_cache_bytes:
-            raise ConfigError(f"--mlp-offload-host-cache: the cached subgroups need {used} bytes, "
-                              f"the budget is {host_cache_bytes}")
+    pmoves, cached, cached_bytes = _cache_sets(sizes, moves, host_cache_bytes, cached_subgroups, cache_model)
     model = _Model(tiers, ranks_per_node)
     _check_total_capacity(tiers, model, sizes)
 
+    st = _State(model, pmoves, sizes)
+    cost = [sum(pm[i][0] + pm[i][1] for pm in pmoves) for i in range(n)]
     tier_of = [-1] * n
-    stored = [0] * model.n
-    rd = [0] * model.n
-    wr = [0] * model.n
-    times = [0.0] * model.n
-    # LPT: the biggest movers first (ties: bigger state, then lower index -- deterministic); cached
-    # subgroups (no cost) last, each onto the tier with the most room left.
-    order = sorted(range(n), key=lambda i: (i in cached, -(moves[i][0] + moves[i][1]), -sizes[i], i))
+    # LPT: the biggest movers first (ties: bigger state, then lower index -- deterministic);
+    # subgroups that never move (resident in the cache) last, each onto the tier with most room left.
+    order = sorted(range(n), key=lambda i: (cost[i] == 0, -cost[i], -sizes[i], i))
     unplaced = []
     for i in order:
         best, best_key = -1, None
         for j in range(model.n):
-            if stored[j] + sizes[i] > model.cap[j]:
+            if st.stored[j] + sizes[i] > model.cap[j]:
                 continue
-            if i in cached:
-                key = (-(model.cap[j] - stored[j] - sizes[i]), j)
+            if cost[i] == 0:
+                key = (-(model.cap[j] - st.stored[j] - sizes[i]), j)
             else:
-                t_new = model.time(j, rd[j] + moves[i][0], wr[j] + moves[i][1])
-                key = (t_new, t_new - times[j], j)
+                t_new = st.time_with(j, add=(i,))
+                key = (t_new, t_new - st.times[j], j)
             if best_key is None or key < best_key:
                 best, best_key = j, key
         if best < 0:
             unplaced.append(i)
             continue
         tier_of[i] = best
-        stored[best] += sizes[i]
-        if i not in cached:
-            rd[best] += moves[i][0]
-            wr[best] += moves[i][1]
-            times[best] = model.time(best, rd[best], wr[best])
+        st.put(i, best)
     if unplaced:
-        _raise_capacity(tiers, model, sizes, stored, unplaced)
+        _raise_capacity(tiers, model, sizes, st.stored, unplaced)
     if improve and model.n > 1:
-        _improve(model, sizes, moves, cached, tier_of, stored, rd, wr, times)
+        _improve(st, cost, tier_of)
 
-    lower = _lower_bound(model, moves, sizes, cached)
+    lower = max(_lower_bound(model, pm, sizes) for pm in pmoves)
     notes = []
-    if any(t.bandwidth_source == "default" for t in tiers):
+    if any(t.bandwidth_source.startswith("default") for t in tiers):
         notes.append("some bandwidths are a default assumption (neither declared nor calibrated)")
+    smallest = min((s for i, s in enumerate(sizes) if cost[i]), default=0)
+    for j, t in enumerate(tiers):
+        if smallest and model.cap[j] < smallest:
+            notes.append(f"{t.path}: its capacity per rank ({int(model.cap[j])} bytes) holds no whole subgroup "
+                         f"({smallest} bytes); use smaller subgroups to make use of it")
+    worst = [st.worst_parity(j) for j in range(model.n)]
     return Placement(
         tiers=tiers, tier_of=tuple(tier_of), cached=tuple(i in cached for i in range(n)),
-        subgroup_bytes=tuple(sizes), tier_bytes=tuple(stored), tier_read_bytes=tuple(rd),
-        tier_write_bytes=tuple(wr), tier_seconds=tuple(times), total_seconds=max(times),
-        lower_bound_seconds=min(lower, max(times)), ranks_per_node=ranks_per_node,
-        host_cache_bytes=host_cache_bytes, cached_bytes=sum(sizes[i] for i in cached), notes=tuple(notes))
+        subgroup_bytes=tuple(sizes), tier_bytes=tuple(st.stored),
+        tier_read_bytes=tuple(st.rd[worst[j]][j] for j in range(model.n)),
+        tier_write_bytes=tuple(st.wr[worst[j]][j] for j in range(model.n)),
+        tier_seconds=tuple(st.times), total_seconds=max(st.times),
+        lower_bound_seconds=min(lower, max(st.times)), ranks_per_node=ranks_per_node,
+        host_cache_bytes=host_cache_bytes, cached_bytes=cached_bytes, notes=tuple(notes),
+        cache_model=cache_model)
 
 
 def _check_total_capacity(tiers, model: _Model, sizes: list[int]) -> None:
@@ -396,60 +486,52 @@ def _raise_capacity(tiers, model: _Model, sizes, stored, unplaced) -> None:
         "(--mlp-offload-subgroup-size), raise cap=, or add a path.")
 
 
-def _improve(model: _Model, sizes, moves, cached, tier_of, stored, rd, wr, times, max_rounds: int = 10_000) -> None:
+def _improve(st: _State, cost, tier_of, max_rounds: int = 10_000) -> None:
     """Move or swap subgroups off the bottleneck tier while that lowers the max finish time."""
-    def key_of(i):
-        return (moves[i][0], moves[i][1], sizes[i])
+    model, sizes = st.model, st.sizes
+
+    def kind(i):
+        return (tuple(pm[i] for pm in st.pmoves), sizes[i])
+
+    def kinds_on(j):
+        # Distinct kinds only: most subgroups have the same size, so this keeps the pass cheap.
+        out = {}
+        for i, t in enumerate(tier_of):
+            if t == j and cost[i]:
+                out.setdefault(kind(i), i)
+        return out
 
     for _ in range(max_rounds):
-        b = max(range(model.n), key=lambda j: times[j])
-        current = times[b]
-        best = None  # (new pair max, i, j, k) k = swap partner or -1
-        # Distinct kinds only: most subgroups have the same size, so this keeps the pass cheap.
-        on_b = {}
-        for i, t in enumerate(tier_of):
-            if t == b and i not in cached:
-                on_b.setdefault(key_of(i), i)
+        b = max(range(model.n), key=lambda j: st.times[j])
+        current = st.times[b]
+        limit = current * (1 - 1e-9) - _EPS
+        best = None  # (new max of the pair, i, j, k): move i from b to j, k = swap partner or -1
+        on_b = kinds_on(b)
         for j in range(model.n):
             if j == b:
                 continue
-            on_j = {}
-            for i, t in enumerate(tier_of):
-                if t == j and i not in cached:
-                    on_j.setdefault(key_of(i), i)
+            on_j = kinds_on(j)
             for i in on_b.values():
-                ri, wi = moves[i]
-                # Move i: b -> j.
-                if stored[j] + sizes[i] <= model.cap[j]:
-                    pair = max(model.time(b, rd[b] - ri, wr[b] - wi), model.time(j, rd[j] + ri, wr[j] + wi))
-                    if pair < current * (1 - 1e-9) - _EPS and (best is None or pair < best[0]):
+                if st.stored[j] + sizes[i] <= model.cap[j]:
+                    pair = max(st.time_with(b, remove=(i,)), st.time_with(j, add=(i,)))
+                    if pair < limit and (best is None or pair < best[0]):
                         best = (pair, i, j, -1)
-                # Swap i (on b) with k (on j).
                 for k in on_j.values():
-                    rk, wk = moves[k]
-                    if key_of(k) == key_of(i):
+                    if kind(k) == kind(i):
                         continue  # swapping identical kinds changes nothing
-                    if stored[j] - sizes[k] + sizes[i] > model.cap[j] or stored[b] - sizes[i] + sizes[k] > model.cap[b]:
+                    if (st.stored[j] - sizes[k] + sizes[i] > model.cap[j]
+                            or st.stored[b] - sizes[i] + sizes[k] > model.cap[b]):
                         continue
-                    pair = max(model.time(b, rd[b] - ri + rk, wr[b] - wi + wk),
-                               model.time(j, rd[j] + ri - rk, wr[j] + wi - wk))
-                    if pair < current * (1 - 1e-9) - _EPS and (best is None or pair < best[0]):
+                    pair = max(st.time_with(b, add=(k,), remove=(i,)), st.time_with(j, add=(i,), remove=(k,)))
+                    if pair < limit and (best is None or pair < best[0]):
                         best = (pair, i, j, k)
         if best is None:
             return
         _, i, j, k = best
-        _shift(model, i, b, j, sizes, moves, tier_of, stored, rd, wr, times)
+        st.take(i, b)
+        st.put(i, j)
+        tier_of[i] = j
         if k >= 0:
-            _shift(model, k, j, b, sizes, moves, tier_of, stored, rd, wr, times)
-
-
-def _shift(model, i, src, dst, sizes, moves, tier_of, stored, rd, wr, times) -> None:
-    tier_of[i] = dst
-    stored[src] -= sizes[i]
-    stored[dst] += sizes[i]
-    rd[src] -= moves[i][0]
-    wr[src] -= moves[i][1]
-    rd[dst] += moves[i][0]
-    wr[dst] += moves[i][1]
-    times[src] = model.time(src, rd[src], wr[src])
-    times[dst] = model.time(dst, rd[dst], wr[dst])
+            st.take(k, j)
+            st.put(k, b)
+            tier_of[k] = b

@@ -23,6 +23,9 @@ class TierSpec:
     write_bytes_per_s: float | None = None
     capacity_bytes: int | None = None
     qos_bytes_per_s: float | None = None
+    shared_rw_limit: bool | None = None
+    """Reads and writes share one bandwidth limit (True), have separate limits (False), or None =
+    take it from calibration (or assume shared, the conservative choice). Option ``rw=shared|separate``."""
 
 
 def parse_size(text: str, flag: str, what: str = "size") -> int:
@@ -45,7 +48,8 @@ def parse_rate(text: str, flag: str) -> float:
 
 def parse_tier_paths(text: str, flag: str = PATHS_FLAG) -> tuple[TierSpec, ...]:
     """Parse the ';'-separated tier list. Options follow a ':' as comma-separated key=value:
-    ``bw`` (read and write), ``read_bw``, ``write_bw``, ``cap``, ``qos``. ``$VARS`` expand."""
+    ``bw`` (read and write), ``read_bw``, ``write_bw``, ``cap``, ``qos``, ``rw`` (``shared`` when
+    reads and writes share one bandwidth limit, ``separate`` when not). ``$VARS`` expand."""
     if text is None or not str(text).strip():
         raise ConfigError(f"{flag}: empty; give at least one storage path, e.g. '/local/nvme;/lustre/scratch'")
     specs = []
@@ -73,9 +77,14 @@ def parse_tier_paths(text: str, flag: str = PATHS_FLAG) -> tuple[TierSpec, ...]:
                 kw["capacity_bytes"] = parse_size(value, flag, "capacity")
             elif key == "qos":
                 kw["qos_bytes_per_s"] = parse_rate(value, flag)
+            elif key == "rw":
+                mode = value.strip().lower()
+                if mode not in ("shared", "separate"):
+                    raise ConfigError(f"{flag}: rw={value!r} for {path} must be 'shared' or 'separate'")
+                kw["shared_rw_limit"] = mode == "shared"
             else:
                 raise ConfigError(
-                    f"{flag}: unknown option {key!r} for {path} (known: bw, read_bw, write_bw, cap, qos)")
+                    f"{flag}: unknown option {key!r} for {path} (known: bw, read_bw, write_bw, cap, qos, rw)")
         specs.append(TierSpec(path=path, **kw))
     if not specs:
         raise ConfigError(f"{flag}: {text!r} names no path")

@@ -32,8 +32,14 @@ ticket is larger than every live one), creates its queue file flocked before it 
 slots only while fewer than ``slots`` live tickets are smaller than its own. So waiters are served
 in ticket order; a waiter is overtaken at most once by each process that found the queue empty
 (``try_acquire`` and the fast path of ``acquire`` only take a free slot when nobody waits).
-Waiting is polling with a short back-off (2 ms up to 20 ms): negligible against subgroup I/O, and
-it lets ``acquire`` honour its timeout exactly.
+The first waiter in line with one slot and no timeout sleeps in a blocking flock on the slot, so
+the kernel hands the token over as soon as the holder lets go; otherwise the first in line polls
+every 0.5 ms and the others watch the queue with a short back-off (1 ms up to 5 ms), which lets
+``acquire`` honour its timeout exactly and costs nothing measurable against subgroup I/O.
+
+Fork: a child created by ``fork()`` (a data-loader worker) would inherit the descriptors, hence the
+flocks, and keep a dead parent's token alive; an at-fork hook closes the child's copies (the
+parent keeps its locks) and the child's token objects start out not holding.
 
 Threads: a :class:`TierToken` object is one holder. Its methods are thread-safe; a second thread
 calling ``acquire`` on an object another thread holds waits in-process (a condition variable in
@@ -55,13 +61,15 @@ import stat
 import threading
 import time
 import uuid
+import weakref
 
 from megatron_mlp.errors import ConfigError, MLPOffloadError
 from megatron_mlp.tier.device import device_key
 
 RUNTIME_DIR_FLAG = "--mlp-offload-runtime-dir"
-_POLL_S = 0.002
-_MAX_POLL_S = 0.02
+_POLL_S = 0.001
+_MAX_POLL_S = 0.005
+_HEAD_POLL_S = 0.0005
 
 
 class TokenOrderError(MLPOffloadError, RuntimeError):
@@ -109,8 +117,41 @@ def ensure_private_dir(path: str, flag: str = RUNTIME_DIR_FLAG) -> str:
     return path
 
 
+# Every descriptor this module holds open. A child created by fork() (a data-loader worker, say)
+# inherits them, and with them our flocks: if the parent then died, the child would keep its token
+# (or its queue place, or the ticket mutex) alive. So the child closes its copies right after fork;
+# the parent's locks are unaffected (a flock lasts while any descriptor of the open file remains).
+_open_fds: set[int] = set()
+_tokens: "weakref.WeakSet[TierToken]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    global _held_lock
+    for fd in list(_open_fds):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _open_fds.clear()
+    _held.clear()
+    _held_lock = threading.Lock()  # another thread may have held it at fork time
+    for tok in list(_tokens):
+        tok._reset_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _open(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    _open_fds.add(fd)
+    return fd
+
+
+def _close(fd: int) -> None:
+    _open_fds.discard(fd)
+    os.close(fd)
 
 
 def _try_flock(fd: int, mode: int) -> bool:
@@ -166,6 +207,15 @@ class TierToken:
         self.slot: int | None = None
         self.last_ticket: int | None = None  # ticket of the last queued acquire (None: fast path)
         self.last_wait_s = 0.0
+        _tokens.add(self)
+
+    def _reset_after_fork(self) -> None:
+        """In a forked child: the parent holds the token, not us (our descriptors are closed)."""
+        self._cond = threading.Condition()
+        self._claimed_by = None
+        self._slot_fd = None
+        self._holder_thread = None
+        self.slot = None
 
     # -- public API ---------------------------------------------------------------------------
     @property
@@ -237,7 +287,7 @@ class TierToken:
             try:
                 fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
-                os.close(fd)
+                _close(fd)
             self._claimed_by = None
             self._cond.notify()
         with _held_lock:
@@ -290,8 +340,17 @@ class TierToken:
             if _try_flock(fd, fcntl.LOCK_EX):
                 self._slot_fd, self.slot = fd, i
                 return True
-            os.close(fd)
+            _close(fd)
         return False
+
+    def _block_on_slot0(self) -> None:
+        fd = _open(self._path("slot-0"), os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # GIL released while blocked
+        except BaseException:
+            _close(fd)
+            raise
+        self._slot_fd, self.slot = fd, 0
 
     def _live_tickets_below(self, ticket: int | None, limit: int) -> int:
         """Live queue entries with a ticket below ``ticket`` (all if None), counting up to ``limit``.
@@ -318,7 +377,7 @@ class TierToken:
                         pass
                     continue
             finally:
-                os.close(fd)
+                _close(fd)
             live += 1
             if live >= limit:
                 break
@@ -335,7 +394,7 @@ class TierToken:
                 delay = _POLL_S / 10
                 while not _try_flock(seq, fcntl.LOCK_EX):
                     if deadline is not None and time.monotonic() >= deadline:
-                        os.close(fd)
+                        _close(fd)
                         fd = -1
                         return None
                     time.sleep(delay)
@@ -349,11 +408,11 @@ class TierToken:
                     except FileExistsError:
                         ticket += 1
             finally:
-                os.close(seq)  # closing our only descriptor of seq releases its flock
+                _close(seq)  # closing our only descriptor of seq releases its flock
             return fd, ticket
         except BaseException:
             if fd >= 0:
-                os.close(fd)
+                _close(fd)
             raise
         finally:
             try:
@@ -374,19 +433,30 @@ class TierToken:
         try:
             delay = _POLL_S
             while True:
-                if self._live_tickets_below(ticket, limit=self.slots) < self.slots and self._grab_slot():
-                    return True
+                at_head = self._live_tickets_below(ticket, limit=self.slots) < self.slots
+                if at_head:
+                    if self._grab_slot():
+                        return True
+                    if self.slots == 1 and deadline is None:
+                        # First in line for the only slot, no timeout: sleep in the kernel until the
+                        # holder lets go (or dies), so the hand-over costs no polling latency.
+                        self._block_on_slot0()
+                        return True
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     return False
-                time.sleep(delay if deadline is None else min(delay, max(0.0, deadline - now)))
-                delay = min(delay * 1.5, _MAX_POLL_S)
+                # First in line polls fast (the hand-over is what it waits for); the others only
+                # watch the queue move, which takes at least one hold.
+                pause = _HEAD_POLL_S if at_head else delay
+                time.sleep(pause if deadline is None else min(pause, max(0.0, deadline - now)))
+                if not at_head:
+                    delay = min(delay * 1.5, _MAX_POLL_S)
         finally:
             try:
                 os.unlink(self._path(f"q-{ticket}"))
             except FileNotFoundError:
                 pass
-            os.close(qfd)
+            _close(qfd)
 
 
 def acquire_in_order(tokens, timeout: float | None = None) -> bool:

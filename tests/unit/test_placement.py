@@ -185,3 +185,35 @@ def test_table_and_json_describe_every_tier_when_formatted():
     assert d["cached_subgroups"] == [5]
     assert sum(t["num_subgroups"] for t in d["tiers"]) == 6
     assert d["predicted_seconds"] >= d["lower_bound_seconds"]
+
+
+def test_alternate_cache_skips_one_read_and_one_write_per_cached_subgroup_each_iteration():
+    p = plan_placement([GB] * 10, None, [tier("/d", 1)], 1, host_cache_bytes=3 * GB, cache_model="alternate")
+    # tail {7,8,9} hit (no read), head {0,1,2} kept (no write): 7 reads + 7 writes per iteration
+    assert p.tier_read_bytes == (7 * GB,) and p.tier_write_bytes == (7 * GB,)
+    assert p.total_seconds == pytest.approx(7.0)
+    assert p.cached_subgroups() == [0, 1, 2, 7, 8, 9] and p.cached_bytes == 3 * GB
+    assert p.tier_bytes == (10 * GB,)
+
+
+def test_alternate_cache_moves_nothing_for_subgroups_in_both_ends_when_budget_exceeds_half():
+    p = plan_placement([GB] * 4, None, [tier("/d", 1, shared=True)], 1, host_cache_bytes=3 * GB,
+                       cache_model="alternate")
+    # tail {1,2,3}, head {0,1,2}: 1 and 2 stay; per iteration one read (0 or 3) and one write.
+    assert p.tier_read_bytes == (GB,) and p.tier_write_bytes == (GB,)
+    assert p.total_seconds == pytest.approx(2.0)
+
+
+def test_alternate_cache_balances_both_iterations_when_tiers_have_separate_limits():
+    tiers = [tier("/a", 2, 1), tier("/b", 1, 2)]  # a reads fast, b writes fast
+    p = plan_placement([GB] * 12, None, tiers, 1, host_cache_bytes=3 * GB, cache_model="alternate")
+    no_cache = plan_placement([GB] * 12, None, tiers, 1)
+    assert p.lower_bound_seconds <= p.total_seconds + 1e-9
+    assert p.total_seconds < no_cache.total_seconds
+    assert p.total_seconds <= p.lower_bound_seconds + 1.0  # within one subgroup's time of the fluid bound
+
+
+def test_explicit_cache_set_rejected_when_cache_model_is_alternate():
+    with pytest.raises(ConfigError, match="alternate"):
+        plan_placement([GB] * 4, None, [tier("/d", 1)], 1, host_cache_bytes=GB, cached_subgroups=[3],
+                       cache_model="alternate")

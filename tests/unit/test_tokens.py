@@ -116,6 +116,40 @@ def test_sigkill_of_holder_frees_token_within_a_second(rundir):
         p.join()
 
 
+def _hold_then_fork_a_worker(rundir, key, ready, child_pid):
+    tok = TierToken(key=key, runtime_dir=rundir)
+    assert tok.acquire(timeout=10)
+    pid = os.fork()  # e.g. a data-loader worker forked while the token is held
+    if pid == 0:
+        code = 0 if not tok.held else 3  # the child does not hold the parent's token
+        time.sleep(30)
+        os._exit(code)
+    child_pid.value = pid
+    ready.set()
+    time.sleep(600)
+
+
+def test_sigkill_frees_token_when_holder_forked_a_child_that_lives_on(rundir):
+    ready, child_pid = CTX.Event(), CTX.Value("i", 0)
+    p = CTX.Process(target=_hold_then_fork_a_worker, args=(rundir, "nvme", ready, child_pid))
+    p.start()
+    try:
+        assert ready.wait(10)
+        tok = TierToken(key="nvme", runtime_dir=rundir)
+        assert not tok.try_acquire()
+        os.kill(p.pid, signal.SIGKILL)
+        assert tok.acquire(timeout=1.0), "the forked child kept the dead parent's token"
+        tok.release()
+    finally:
+        p.kill()
+        p.join()
+        if child_pid.value:
+            try:
+                os.kill(child_pid.value, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_try_acquire_returns_false_without_waiting_when_token_is_held(rundir):
     ready = CTX.Event()
     p = CTX.Process(target=_hold_forever, args=(rundir, "nvme", ready))
@@ -375,3 +409,22 @@ def test_runtime_dir_refused_when_owned_by_another_user(tmp_path):
 def test_zero_slots_rejected_with_flag():
     with pytest.raises(ConfigError, match="--mlp-offload-tokens-per-tier"):
         TierToken(key="t", slots=0, runtime_dir="/tmp/unused-never-created")
+
+
+def test_paths_on_one_device_share_one_token_when_used_by_different_jobs(rundir, tmp_path):
+    job_a = TierToken(str(tmp_path / "job-a" / "optimizer"), runtime_dir=rundir)
+    job_b = TierToken(str(tmp_path / "job-b"), runtime_dir=rundir)
+    assert job_a.try_acquire()
+    assert not job_b.try_acquire()
+    job_a.release()
+    assert job_b.try_acquire()
+    job_b.release()
+
+
+def test_paths_on_different_devices_have_independent_tokens(rundir, disk_dir, shm_dir):
+    disk = TierToken(disk_dir, runtime_dir=rundir)
+    shm = TierToken(shm_dir, runtime_dir=rundir)
+    assert disk.key != shm.key
+    assert disk.try_acquire() and shm.try_acquire()
+    disk.release()
+    shm.release()

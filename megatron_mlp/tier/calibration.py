@@ -1,0 +1,459 @@
+"""Bandwidth calibration of the tier paths, cached per node.
+
+For each path: sequential O_DIRECT write then read of ``size_bytes`` with the engine, by one process
+(what one token holder gets), by ``procs`` concurrent processes (aggregate and per process: the
+contention the node's ranks would cause without tokens), and one reader plus one writer at once
+(whether reads and writes share one bandwidth limit, as on most single disks, or not).
+
+Results are cached as JSON in a per-user file (``$XDG_CACHE_HOME/megatron-mlp/calibration.json``)
+keyed by host and realpath, and stamped with the device (``st_dev``, whole-disk key and file system
+type): an entry is used only while the path still lives on the same device, so a remount or a
+different file system re-measures; ``force`` re-measures always. The file is replaced atomically
+(temp file, fsync, ``os.replace``, fsync of the directory) under a lock, so the ranks of a job that
+start together measure once. Declared bandwidths (``bw=``, ``read_bw=``, ``write_bw=``) override
+measured ones; a ``qos=`` cap bounds both.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, fields
+
+from megatron_mlp.errors import ConfigError
+from megatron_mlp.tier.device import device_info
+from megatron_mlp.tier.spec import TierSpec
+
+CACHE_VERSION = 1
+DEFAULT_SIZE_BYTES = 256 << 20
+DEFAULT_BYTES_PER_S = 1e9
+"""Assumed bandwidth when a path is neither declared nor calibrated (always labelled 'default')."""
+
+
+@dataclass(frozen=True)
+class PathCalibration:
+    """Measured figures of one path (bytes/s). ``contended_*`` are aggregates over ``procs`` processes."""
+
+    host: str
+    realpath: str
+    device_key: str
+    st_dev: int
+    fs_type: str
+    o_direct: bool
+    backend: str
+    size_bytes: int
+    read_bytes_per_s: float
+    write_bytes_per_s: float
+    procs: int
+    contended_read_bytes_per_s: float
+    contended_write_bytes_per_s: float
+    mixed_bytes_per_s: float
+    shared_rw_limit: bool
+    measured_at: float
+
+    @property
+    def per_proc_read_bytes_per_s(self) -> float:
+        return self.contended_read_bytes_per_s / max(1, self.procs)
+
+    @property
+    def per_proc_write_bytes_per_s(self) -> float:
+        return self.contended_write_bytes_per_s / max(1, self.procs)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["per_proc_read_bytes_per_s"] = self.per_proc_read_bytes_per_s
+        d["per_proc_write_bytes_per_s"] = self.per_proc_write_bytes_per_s
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PathCalibration":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass(frozen=True)
+class TierBandwidth:
+    """The bandwidth the placement uses for one path and where each figure came from."""
+
+    read_bytes_per_s: float
+    write_bytes_per_s: float
+    source: str             # "declared" | "measured" | "default" | "declared+measured"
+    shared_rw_limit: bool
+    shared_rw_source: str   # "declared" | "measured" | "default"
+
+
+def default_cache_path() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "megatron-mlp", "calibration.json")
+
+
+def _host() -> str:
+    return socket.gethostname()
+
+
+def _key(host: str, realpath: str) -> str:
+    return f"{host}:{realpath}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache file
+# ---------------------------------------------------------------------------------------------
+def load_cache(cache_path: str) -> dict:
+    """The cache's entries ({key: entry dict}); an unreadable or foreign file counts as empty."""
+    try:
+        with open(cache_path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):
+        return {}  # a corrupt cache is re-measured, never trusted
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
+        return {}
+    return data["entries"]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_cache(cache_path: str, entries: dict) -> None:
+    """Write the cache atomically: temp file in the same dir, fsync, os.replace, fsync the dir."""
+    directory = os.path.dirname(os.path.abspath(cache_path))
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, cache_path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def lookup(entries: dict, path: str, host: str | None = None) -> PathCalibration | None:
+    """The cached calibration of ``path`` if it is still valid (same host, realpath, device, fs type)."""
+    host = host or _host()
+    info = device_info(path)
+    entry = entries.get(_key(host, info.realpath))
+    if not isinstance(entry, dict):
+        return None
+    try:
+        cal = PathCalibration.from_dict(entry)
+    except TypeError:
+        return None
+    if cal.st_dev != info.st_dev or cal.fs_type != info.fs_type or cal.device_key != info.key:
+        return None  # remounted, replaced or a different file system: measure again
+    return cal
+
+
+class _CacheLock:
+    """flock on '<cache>.lock' while measuring and updating, so concurrent starts measure once."""
+
+    def __init__(self, cache_path: str):
+        directory = os.path.dirname(os.path.abspath(cache_path))
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self.path = cache_path + ".lock"
+
+    def __enter__(self):
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self.fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement (each process uses its own Engine; workers come from a fork server or are spawned,
+# so that no engine thread is ever forked)
+# ---------------------------------------------------------------------------------------------
+def _io_pass(directory: str, size_bytes: int, phases: tuple[str, ...], barrier, block_bytes: int,
+             queue_depth: int, chunk_bytes: int, name: str) -> dict:
+    from megatron_mlp.engine import Engine
+
+    file_path = os.path.join(directory, f".mlp-calibrate-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    result = {"direct": False, "backend": ""}
+    eng = Engine(block_bytes=block_bytes, queue_depth=queue_depth)
+    try:
+        result["backend"] = eng.backend
+        chunk = min(chunk_bytes, size_bytes)
+        buf = eng.alloc(chunk)
+        buf.numpy("uint8")[:] = 0x5A
+        f = eng.open(file_path, create=True, direct=True, truncate=True)
+        result["direct"] = bool(f.direct)
+        _preallocate(file_path, size_bytes)  # tier files are overwritten in place: time that, not allocation
+        try:
+            if phases[0] == "read":  # something to read: written before the timed phases
+                for off in range(0, size_bytes, chunk):
+                    eng.write(f, buf, off, nbytes=min(chunk, size_bytes - off))
+                eng.wait_all()
+                f.sync()
+                if not f.direct:
+                    _drop_page_cache(file_path)
+            for phase in phases:
+                if barrier is not None:
+                    barrier.wait(60)
+                t0 = time.monotonic()
+                for off in range(0, size_bytes, chunk):
+                    n = min(chunk, size_bytes - off)
+                    (eng.write if phase == "write" else eng.read)(f, buf, off, nbytes=n)
+                eng.wait_all()
+                if phase == "write":
+                    f.sync()  # counted: a buffered fallback must reach the device too
+                t1 = time.monotonic()
+                if not f.direct:
+                    _drop_page_cache(file_path)
+                result[phase] = (t0, t1)
+        finally:
+            f.close()
+    finally:
+        eng.close()
+        try:
+            os.unlink(file_path)
+        except FileNotFoundError:
+            pass
+    return result
+
+
+def _preallocate(path: str, size_bytes: int) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.posix_fallocate(fd, 0, size_bytes)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # not supported everywhere (some network file systems): allocation is then timed too
+
+
+def _drop_page_cache(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _worker(queue, args) -> None:
+    try:
+        queue.put(("ok", _io_pass(*args)))
+    except BaseException as e:  # reported to the parent with its message
+        queue.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def _mp_context(preload: list[str]):
+    """Worker processes that never inherit an engine's threads: from a fork server (started once,
+    with the imports preloaded, so each worker starts in milliseconds), else spawned."""
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(preload)
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _run_procs(jobs: list[tuple], timeout: float = 600.0) -> list[dict]:
+    """Run one :func:`_io_pass` per job in its own worker process; all start together."""
+    ctx = _mp_context(["megatron_mlp.engine", "megatron_mlp.tier.calibration"])
+    barrier = ctx.Barrier(len(jobs))
+    queue = ctx.Queue()
+    procs = []
+    for job in jobs:
+        args = (job[0], job[1], job[2], barrier) + tuple(job[3:])
+        p = ctx.Process(target=_worker, args=(queue, args))
+        p.start()
+        procs.append(p)
+    results, errors = [], []
+    deadline = time.monotonic() + timeout
+    for _ in procs:
+        try:
+            kind, value = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+        except Exception:
+            errors.append("a calibration process did not report in time")
+            break
+        (results if kind == "ok" else errors).append(value)
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    return results
+
+
+def _span(results: list[dict], phase: str) -> float:
+    return max(r[phase][1] for r in results) - min(r[phase][0] for r in results)
+
+
+def classify_shared_rw(size_bytes: int, read_bytes_per_s: float, write_bytes_per_s: float,
+                       mixed_seconds: float) -> bool:
+    """Whether reading and writing ``size_bytes`` at once (``mixed_seconds``) looks like one shared
+    limit (time r/R + w/W) rather than separate ones (time max(r/R, w/W)): the closer model wins."""
+    t_shared = size_bytes / read_bytes_per_s + size_bytes / write_bytes_per_s
+    t_separate = max(size_bytes / read_bytes_per_s, size_bytes / write_bytes_per_s)
+    return abs(math.log(mixed_seconds / t_shared)) <= abs(math.log(mixed_seconds / t_separate))
+
+
+def measure_path(path: str, size_bytes: int = DEFAULT_SIZE_BYTES, procs: int = 4, block_bytes: int = 1 << 20,
+                 queue_depth: int = 8, chunk_bytes: int = 64 << 20) -> PathCalibration:
+    """Measure one path (see the module docstring). Needs the C++ engine.
+
+    Raises:
+        ConfigError: bad sizes. EngineUnavailable: no engine. TierIOError: I/O failed.
+    """
+    if size_bytes < 4096 or size_bytes % 4096:
+        raise ConfigError(f"--size-bytes: {size_bytes} must be a positive multiple of 4096")
+    if procs < 1:
+        raise ConfigError(f"--procs: {procs} must be >= 1")
+    info = device_info(path)
+    single = _io_pass(path, size_bytes, ("write", "read"), None, block_bytes, queue_depth, chunk_bytes, "single")
+    w1 = size_bytes / max(1e-9, single["write"][1] - single["write"][0])
+    r1 = size_bytes / max(1e-9, single["read"][1] - single["read"][0])
+    if procs > 1:
+        many = _run_procs([(path, size_bytes, ("write", "read"), block_bytes, queue_depth, chunk_bytes, "multi")
+                           for _ in range(procs)])
+        wk = procs * size_bytes / max(1e-9, _span(many, "write"))
+        rk = procs * size_bytes / max(1e-9, _span(many, "read"))
+    else:
+        wk, rk = w1, r1
+    # Mixed: one writer and one reader at once (the reader's file is written first, untimed).
+    mixed = _run_procs([(path, size_bytes, ("write",), block_bytes, queue_depth, chunk_bytes, "mixw"),
+                        (path, size_bytes, ("read",), block_bytes, queue_depth, chunk_bytes, "mixr")])
+    t_mixed = max(r[p][1] for r in mixed for p in ("write", "read") if p in r) - \
+        min(r[p][0] for r in mixed for p in ("write", "read") if p in r)
+    # Compare with the two models using the bandwidths measured under concurrency (several streams,
+    # as in the mixed run); a single stream may not saturate the device.
+    r_ref, w_ref = (rk, wk) if procs > 1 else (r1, w1)
+    shared = classify_shared_rw(size_bytes, r_ref, w_ref, t_mixed)
+    return PathCalibration(
+        host=_host(), realpath=info.realpath, device_key=info.key, st_dev=info.st_dev, fs_type=info.fs_type,
+        o_direct=single["direct"], backend=single["backend"], size_bytes=size_bytes,
+        read_bytes_per_s=r1, write_bytes_per_s=w1, procs=procs,
+        contended_read_bytes_per_s=rk, contended_write_bytes_per_s=wk,
+        mixed_bytes_per_s=2 * size_bytes / t_mixed, shared_rw_limit=shared, measured_at=time.time())
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache-aware calibration and the bandwidth the placement uses
+# ---------------------------------------------------------------------------------------------
+def calibrate_paths(paths, cache_path: str | None = None, size_bytes: int = DEFAULT_SIZE_BYTES, procs: int = 4,
+                    force: bool = False, measure=None) -> list[tuple[PathCalibration, bool]]:
+    """Calibration of each path: from the cache when valid, else measured and cached.
+
+    Returns:
+        [(PathCalibration, from_cache)] in the order of ``paths``.
+    """
+    measure = measure or measure_path
+    cache_path = cache_path or default_cache_path()
+    out = []
+    with _CacheLock(cache_path):
+        entries = load_cache(cache_path)
+        changed = False
+        for path in paths:
+            cal = None if force else lookup(entries, path)
+            if cal is not None:
+                out.append((cal, True))
+                continue
+            cal = measure(path, size_bytes=size_bytes, procs=procs)
+            entries[_key(cal.host, cal.realpath)] = cal.to_dict()
+            changed = True
+            out.append((cal, False))
+        if changed:
+            save_cache(cache_path, entries)
+    return out
+
+
+def load_calibration_file(file_path: str, paths, flag: str = "--mlp-offload-calibration") -> list:
+    """Calibrations of ``paths`` from an explicit file (no measuring). A path missing from the file
+    gets None. An entry of another host is accepted for the same realpath (the file was vouched for)."""
+    if not os.path.isfile(file_path):
+        raise ConfigError(f"{flag}: {file_path} does not exist (give 'auto', 'off' or a calibration JSON file)")
+    entries = load_cache(file_path)
+    if not entries:
+        raise ConfigError(f"{flag}: {file_path} is not a megatron-mlp calibration file (version {CACHE_VERSION})")
+    out = []
+    for path in paths:
+        cal = lookup(entries, path)
+        if cal is None:
+            real = os.path.realpath(path)
+            for entry in entries.values():
+                if isinstance(entry, dict) and entry.get("realpath") == real:
+                    cal = PathCalibration.from_dict(entry)
+                    break
+        out.append(cal)
+    return out
+
+
+def resolve_bandwidth(spec: TierSpec, cal: PathCalibration | None) -> TierBandwidth:
+    """Declared > measured > default, per direction; a qos= cap bounds both directions."""
+    sources = set()
+    rw = []
+    for declared, measured in ((spec.read_bytes_per_s, cal.read_bytes_per_s if cal else None),
+                               (spec.write_bytes_per_s, cal.write_bytes_per_s if cal else None)):
+        if declared is not None:
+            rw.append(float(declared))
+            sources.add("declared")
+        elif measured is not None:
+            rw.append(float(measured))
+            sources.add("measured")
+        else:
+            rw.append(DEFAULT_BYTES_PER_S)
+            sources.add("default")
+    if spec.qos_bytes_per_s is not None:
+        rw = [min(v, float(spec.qos_bytes_per_s)) for v in rw]
+    source = "+".join(sorted(sources))
+    if spec.shared_rw_limit is not None:
+        shared, shared_src = spec.shared_rw_limit, "declared"
+    elif cal is not None:
+        shared, shared_src = cal.shared_rw_limit, "measured"
+    else:
+        shared, shared_src = True, "default"  # conservative: time adds
+    return TierBandwidth(read_bytes_per_s=rw[0], write_bytes_per_s=rw[1], source=source,
+                         shared_rw_limit=shared, shared_rw_source=shared_src)
+
+
+def calibrations_for(specs, mode: str = "auto", cache_path: str | None = None, size_bytes: int = DEFAULT_SIZE_BYTES,
+                     procs: int = 4, measure=None) -> tuple[list, list[str]]:
+    """The calibration each spec needs under ``mode`` ('auto', 'off' or a file).
+
+    In 'auto', paths whose read and write bandwidths are both declared are not measured; when the
+    engine cannot be used, the others fall back to the default assumption with a note.
+
+    Returns:
+        ([PathCalibration | None per spec], [notes for the user])
+    """
+    notes: list[str] = []
+    if mode == "off":
+        return [None] * len(specs), notes
+    if mode != "auto":
+        return load_calibration_file(mode, [s.path for s in specs]), notes
+    need = [s.path for s in specs if s.read_bytes_per_s is None or s.write_bytes_per_s is None
+            or s.shared_rw_limit is None]
+    found: dict[str, PathCalibration] = {}
+    if need:
+        try:
+            for cal, _ in calibrate_paths(need, cache_path, size_bytes=size_bytes, procs=procs, measure=measure):
+                found[cal.realpath] = cal
+        except (ImportError, OSError, RuntimeError) as e:
+            notes.append(f"calibration unavailable ({type(e).__name__}: {e}); using the default assumption "
+                         f"of {DEFAULT_BYTES_PER_S / 1e9:g} GB/s where no bandwidth is declared")
+    return [found.get(os.path.realpath(s.path)) for s in specs], notes

@@ -1,0 +1,131 @@
+"""``megatron-mlp plan``: where each rank's optimizer state goes, and how long its I/O will take.
+
+Example::
+
+    megatron-mlp plan --paths "/var/tmp/mlp;/dev/shm/mlp" --num-params 7B --subgroup-params 100M \\
+        --ranks-per-node 4 --host-cache-bytes 4GB
+
+Each rank holds ``num_params / data_parallel_size`` parameters of optimizer state (fp32 param, Adam
+m and v: 12 bytes each), split into subgroups of ``subgroup_params``; every step reads and writes
+each subgroup once, except what the host cache saves (see ``--cache-model``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from megatron_mlp.errors import ConfigError, TierCapacityError
+from megatron_mlp.tier.placement import human_bytes, plan_placement
+from megatron_mlp.tier.resolve import resolve_tiers
+from megatron_mlp.tier.spec import parse_size, parse_tier_paths
+
+STATE_BYTES_PER_PARAM = 12  # fp32 master param + Adam exp_avg + exp_avg_sq
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_count(text: str, flag: str) -> int:
+    """'7B' -> 7_000_000_000, '100M', '1.5e9', '4096'."""
+    t = str(text).strip().lower()
+    unit = t[-1] if t and t[-1] in "kmbgt" else ""
+    try:
+        value = float(t[:-1] if unit else t) * _COUNT_UNITS[unit]
+    except ValueError:
+        raise ConfigError(f"{flag}: cannot parse {text!r} (examples: 7B, 100M, 4096)") from None
+    if value <= 0 or not math.isfinite(value):
+        raise ConfigError(f"{flag}: {text!r} must be positive")
+    return int(value)
+
+
+def subgroup_layout(num_params: int, subgroup_params: int) -> list[int]:
+    """Parameters per subgroup: full subgroups and a shorter last one."""
+    full, rest = divmod(num_params, subgroup_params)
+    return [subgroup_params] * full + ([rest] if rest else [])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-mlp plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--paths", required=True, help="tier paths, as --mlp-offload-paths ('/a;/b:bw=6GB/s,cap=1TB')")
+    p.add_argument("--num-params", required=True, help="parameters of the model (or of one model-parallel "
+                   "slice) whose optimizer state is sharded over --data-parallel-size ranks, e.g. 7B")
+    p.add_argument("--subgroup-params", default="100M", help="parameters per subgroup (default 100M)")
+    p.add_argument("--ranks-per-node", type=int, required=True, help="ranks of a node sharing its tiers")
+    p.add_argument("--data-parallel-size", type=int, default=None,
+                   help="ranks the optimizer state is sharded over (default: --ranks-per-node)")
+    p.add_argument("--host-cache-bytes", default="0", help="host-cache budget per rank, e.g. 8GB (default 0)")
+    p.add_argument("--cache-model", choices=("alternate", "resident"), default="alternate",
+                   help="'alternate' (default, --mlp-offload-order alternate: the cached subgroups at both ends "
+                        "skip a read or a write each iteration) or 'resident' (cached subgroups never move)")
+    p.add_argument("--calibration", default="auto",
+                   help="'auto' (cached measurement, measured once if missing), 'off' (declared or default "
+                        "bandwidths only) or a calibration JSON file")
+    p.add_argument("--calibration-cache", default=None, help="cache file for 'auto' (default: per-user cache)")
+    p.add_argument("--no-probe", action="store_true",
+                   help="do not touch the paths (plan for paths that exist only on the compute nodes); "
+                        "implies --calibration off unless a file is given")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return p
+
+
+def make_plan(args) -> dict:
+    """Everything the plan command prints, as a dict (the table and --json are views of it)."""
+    specs = parse_tier_paths(args.paths, flag="--paths")
+    num_params = parse_count(args.num_params, "--num-params")
+    subgroup_params = parse_count(args.subgroup_params, "--subgroup-params")
+    if args.ranks_per_node < 1:
+        raise ConfigError(f"--ranks-per-node: {args.ranks_per_node} must be >= 1")
+    dp = args.data_parallel_size or args.ranks_per_node
+    if dp < 1:
+        raise ConfigError(f"--data-parallel-size: {dp} must be >= 1")
+    host_cache = parse_size(args.host_cache_bytes, "--host-cache-bytes", "size")
+    shard = math.ceil(num_params / dp)
+    params = subgroup_layout(shard, subgroup_params)
+    sizes = [n * STATE_BYTES_PER_PARAM for n in params]
+
+    resolved = resolve_tiers(specs, calibration=args.calibration, probe=not args.no_probe,
+                             cache_path=args.calibration_cache, flag="--paths")
+    warnings, notes, mode = list(resolved.warnings), list(resolved.notes), resolved.calibration
+    tiers = list(resolved.tiers)
+    placement = plan_placement(sizes, None, tiers, ranks_per_node=args.ranks_per_node, host_cache_bytes=host_cache,
+                               cache_model=args.cache_model)
+    return {
+        "config": {"paths": [s.path for s in specs], "num_params": num_params, "data_parallel_size": dp,
+                   "params_per_rank": shard, "subgroup_params": subgroup_params, "num_subgroups": len(sizes),
+                   "state_bytes_per_rank": sum(sizes), "ranks_per_node": args.ranks_per_node,
+                   "host_cache_bytes": host_cache, "cache_model": args.cache_model, "calibration": mode},
+        "warnings": warnings,
+        "notes": notes + list(placement.notes),
+        "placement": placement,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        plan = make_plan(args)
+    except (ConfigError, TierCapacityError) as e:
+        print(f"megatron-mlp plan: error: {e}", file=sys.stderr)
+        return 2
+    placement = plan.pop("placement")
+    if args.json:
+        plan["placement"] = placement.to_dict()
+        plan["notes"] = sorted(set(plan["notes"]), key=plan["notes"].index)
+        print(json.dumps(plan, indent=2))
+        return 0
+    cfg = plan["config"]
+    print(f"MLP-Offload plan: {cfg['num_params']:,} params over {cfg['data_parallel_size']} ranks -> "
+          f"{cfg['params_per_rank']:,} per rank = {human_bytes(cfg['state_bytes_per_rank'])} of optimizer state "
+          f"in {cfg['num_subgroups']} subgroups of {cfg['subgroup_params']:,} params")
+    for w in plan["warnings"]:
+        print(f"warning: {w}")
+    print()
+    print(placement.format_table())
+    for n in sorted(set(plan["notes"]) - set(placement.notes), key=plan["notes"].index):
+        print(f"note: {n}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

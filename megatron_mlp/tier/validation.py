@@ -1,0 +1,150 @@
+"""Up-front checks of the tier paths, before any training starts.
+
+Each path must exist or be creatable, be a writable directory; O_DIRECT support is probed by opening
+and writing a test file with O_DIRECT (a file system that refuses it is served buffered, with a
+warning, not an error); free space is read with statvfs; two paths on one physical device are
+reported (no bandwidth gain from using both). Every error names the path and the flag.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+import uuid
+from dataclasses import dataclass
+
+from megatron_mlp.errors import ConfigError
+from megatron_mlp.tier.device import DeviceInfo, device_info
+from megatron_mlp.tier.spec import PATHS_FLAG, TierSpec
+
+_PROBE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class PathCheck:
+    """What validation found out about one tier path."""
+
+    spec: TierSpec
+    realpath: str
+    device: DeviceInfo
+    free_bytes: int
+    o_direct: bool
+    o_direct_reason: str | None  # why O_DIRECT is not available, else None
+    created: bool
+
+    @property
+    def usable_bytes(self) -> int:
+        """Bytes the node may use here: the declared cap, bounded by the free space."""
+        cap = self.spec.capacity_bytes
+        return self.free_bytes if cap is None else min(cap, self.free_bytes)
+
+
+@dataclass(frozen=True)
+class TierValidation:
+    checks: tuple[PathCheck, ...]
+    warnings: tuple[str, ...]
+
+
+def _err_name(e: OSError) -> str:
+    return f"{e.strerror or os.strerror(e.errno or 0)} [{errno.errorcode.get(e.errno, e.errno)}]"
+
+
+def probe_o_direct(directory: str) -> tuple[bool, str | None]:
+    """Create a file in ``directory``, write 4 KiB through O_DIRECT, remove it.
+
+    Returns (True, None) when O_DIRECT works, (False, reason) when the file system refuses it.
+
+    Raises:
+        OSError: the directory is not writable at all (the caller turns this into a ConfigError).
+    """
+    probe = os.path.join(directory, f".mlp-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    os.close(fd)
+    try:
+        if not hasattr(os, "O_DIRECT"):
+            return False, "this platform has no O_DIRECT"
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+        except OSError as e:
+            return False, f"open with O_DIRECT failed: {_err_name(e)}"
+        try:
+            buf = mmap.mmap(-1, _PROBE_BYTES)  # page-aligned, as O_DIRECT requires
+            try:
+                buf.write(b"\0" * _PROBE_BYTES)
+                written = os.pwrite(fd, buf, 0)
+                if written != _PROBE_BYTES:
+                    return False, f"O_DIRECT write was short ({written} of {_PROBE_BYTES} bytes)"
+                got = os.preadv(fd, [buf], 0)
+                if got != _PROBE_BYTES:
+                    return False, f"O_DIRECT read was short ({got} of {_PROBE_BYTES} bytes)"
+            except OSError as e:
+                return False, f"an aligned O_DIRECT write failed: {_err_name(e)}"
+            finally:
+                buf.close()
+        finally:
+            os.close(fd)
+        return True, None
+    finally:
+        try:
+            os.unlink(probe)
+        except FileNotFoundError:
+            pass
+
+
+def validate_tier_paths(specs: tuple[TierSpec, ...] | list[TierSpec], flag: str = PATHS_FLAG,
+                        create: bool = True) -> TierValidation:
+    """Check every tier path; create missing directories (0700) when ``create``.
+
+    Returns:
+        A :class:`TierValidation` with one :class:`PathCheck` per spec and human-readable warnings
+        (same device twice, O_DIRECT unavailable, cap above free space).
+
+    Raises:
+        ConfigError: a path cannot be created, is not a directory, is not writable, or appears twice.
+    """
+    checks: list[PathCheck] = []
+    warnings: list[str] = []
+    seen_real: dict[str, str] = {}
+    for spec in specs:
+        path = spec.path
+        created = False
+        if not os.path.exists(path):
+            if not create:
+                raise ConfigError(f"{flag}: {path} does not exist")
+            try:
+                os.makedirs(path, mode=0o700, exist_ok=True)
+                created = True
+            except OSError as e:
+                raise ConfigError(f"{flag}: {path} does not exist and cannot be created: {_err_name(e)}") from e
+        if not stat.S_ISDIR(os.stat(path).st_mode):
+            raise ConfigError(f"{flag}: {path} is not a directory")
+        real = os.path.realpath(path)
+        if real in seen_real:
+            raise ConfigError(f"{flag}: {path} and {seen_real[real]} are the same directory ({real}); "
+                              "list each path once")
+        seen_real[real] = path
+        try:
+            o_direct, reason = probe_o_direct(path)
+        except OSError as e:
+            raise ConfigError(f"{flag}: {path} is not writable: {_err_name(e)}") from e
+        if not o_direct:
+            warnings.append(f"{flag}: {path} does not support O_DIRECT ({reason}); it will be served "
+                            "buffered through the page cache")
+        vfs = os.statvfs(path)
+        free = vfs.f_bavail * vfs.f_frsize
+        if spec.capacity_bytes is not None and spec.capacity_bytes > free:
+            warnings.append(f"{flag}: {path}: cap={spec.capacity_bytes} bytes exceeds the free space "
+                            f"({free} bytes); planning with the free space")
+        checks.append(PathCheck(spec=spec, realpath=real, device=device_info(real), free_bytes=free,
+                                o_direct=o_direct, o_direct_reason=reason, created=created))
+    by_device: dict[str, list[PathCheck]] = {}
+    for c in checks:
+        by_device.setdefault(c.device.key, []).append(c)
+    for key, group in by_device.items():
+        if len(group) > 1:
+            names = " and ".join(c.spec.path for c in group)
+            warnings.append(f"{flag}: {names} are on the same device ({key}, {group[0].device.fs_type} "
+                            f"at {group[0].device.mount_point}): no bandwidth gain from using both; "
+                            "they share one token and one bandwidth")
+    return TierValidation(checks=tuple(checks), warnings=tuple(warnings))

@@ -1,0 +1,89 @@
+"""`megatron-mlp plan`: table and JSON output, errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_mlp.cli import main as cli_main
+from megatron_mlp.errors import ConfigError
+from megatron_mlp.tier.plan_cli import parse_count, subgroup_layout
+
+
+def run(capsys, *argv):
+    rc = cli_main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_json_plan_splits_state_by_declared_bandwidth_when_calibration_off(capsys, tmp_path):
+    paths = f"{tmp_path}/fast:bw=6GB/s,rw=separate;{tmp_path}/slow:bw=3GB/s,rw=separate"
+    rc, out, err = run(capsys, "--paths", paths, "--num-params", "300M", "--subgroup-params", "10M",
+                       "--ranks-per-node", "1", "--calibration", "off", "--json")
+    assert rc == 0, err
+    d = json.loads(out)  # stdout is exactly one JSON object
+    tiers = d["placement"]["tiers"]
+    assert [t["num_subgroups"] for t in tiers] == [20, 10]
+    assert tiers[0]["stored_bytes"] == 2 * tiers[1]["stored_bytes"]
+    assert d["config"]["state_bytes_per_rank"] == 300_000_000 * 12
+    assert all(t["bandwidth_source"] == "declared" for t in tiers)
+    # both paths are on one device here: the warning says so
+    assert any("same device" in w for w in d["warnings"])
+
+
+def test_table_lists_every_tier_with_predicted_time_and_lower_bound(capsys, tmp_path):
+    rc, out, _ = run(capsys, "--paths", f"{tmp_path}/a;{tmp_path}/b:bw=2GB/s", "--num-params", "1B",
+                     "--subgroup-params", "100M", "--ranks-per-node", "4", "--host-cache-bytes", "2.4GB",
+                     "--calibration", "off")
+    assert rc == 0
+    for text in (f"{tmp_path}/a", f"{tmp_path}/b", "default (assumed 1 GB/s)", "declared", "lower bound",
+                 "predicted update I/O per step", "2.40 GB of a 2.40 GB budget", "alternating order: 3 subgroups", "ranks per node: 4"):
+        assert text in out, text
+
+
+def test_resident_cache_model_keeps_cached_subgroups_still(capsys, tmp_path):
+    argv = ["--paths", f"{tmp_path}:bw=1GB/s,rw=shared", "--num-params", "1B", "--subgroup-params", "100M",
+            "--ranks-per-node", "1", "--host-cache-bytes", "2.4GB", "--calibration", "off", "--json"]
+    rc, out, _ = run(capsys, *argv, "--cache-model", "resident")
+    resident = json.loads(out)["placement"]
+    rc, out, _ = run(capsys, *argv)
+    alternate = json.loads(out)["placement"]
+    assert resident["cached_subgroups"] == [8, 9] and resident["tiers"][0]["read_bytes"] == 8 * 1_200_000_000
+    assert alternate["cached_subgroups"] == [0, 1, 8, 9] and alternate["tiers"][0]["read_bytes"] == 8 * 1_200_000_000
+    assert resident["predicted_seconds"] == pytest.approx(alternate["predicted_seconds"])
+
+
+def test_shard_per_rank_follows_data_parallel_size(capsys, tmp_path):
+    rc, out, _ = run(capsys, "--paths", f"{tmp_path}:bw=1GB/s", "--num-params", "1B", "--subgroup-params", "30M",
+                     "--ranks-per-node", "2", "--data-parallel-size", "8", "--calibration", "off", "--json")
+    d = json.loads(out)
+    assert d["config"]["params_per_rank"] == 125_000_000 and d["config"]["num_subgroups"] == 5
+
+
+def test_capacity_error_exits_2_and_says_bytes_missing(capsys, tmp_path):
+    rc, out, err = run(capsys, "--paths", f"{tmp_path}:bw=1GB/s,cap=1GB", "--num-params", "1B",
+                       "--ranks-per-node", "1", "--calibration", "off")
+    assert rc == 2 and out == ""
+    assert "bytes missing" in err and str(tmp_path) in err
+
+
+def test_no_probe_plans_paths_that_do_not_exist_here(capsys, tmp_path):
+    ghost = tmp_path / "only-on-compute-nodes"
+    rc, out, _ = run(capsys, "--paths", f"{ghost}:bw=6GB/s,rw=separate", "--num-params", "7B",
+                     "--ranks-per-node", "4", "--no-probe", "--json")
+    assert rc == 0 and not ghost.exists()
+    assert json.loads(out)["placement"]["predicted_seconds"] == pytest.approx(7e9 / 4 * 12 * 4 / 6e9)
+
+
+def test_bad_count_rejected_with_flag(capsys, tmp_path):
+    rc, _, err = run(capsys, "--paths", str(tmp_path), "--num-params", "lots", "--ranks-per-node", "1",
+                     "--calibration", "off")
+    assert rc == 2 and "--num-params" in err and "lots" in err
+
+
+def test_parse_count_and_layout():
+    assert parse_count("7B", "--x") == 7_000_000_000 and parse_count("100M", "--x") == 100_000_000
+    assert parse_count("4096", "--x") == 4096
+    with pytest.raises(ConfigError):
+        parse_count("-1", "--x")
+    assert subgroup_layout(25, 10) == [10, 10, 5] and subgroup_layout(20, 10) == [10, 10]
