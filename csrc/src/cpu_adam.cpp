@@ -54,6 +54,25 @@ Isa best_isa() {
     return Isa::kScalar;
 }
 
+const char* sqrt_mode_name(SqrtMode mode) {
+    switch (mode) {
+        case SqrtMode::kRsqrtNewton: return "rsqrt_newton";
+        case SqrtMode::kRsqrt14Fma: return "rsqrt14_fma";
+        default: return "ieee";
+    }
+}
+
+bool sqrt_mode_supported(SqrtMode mode) {
+    switch (mode) {
+        case SqrtMode::kIeee: return true;
+#if defined(__x86_64__) && defined(__GNUC__)
+        case SqrtMode::kRsqrtNewton: return true;
+        case SqrtMode::kRsqrt14Fma: return isa_supported(Isa::kAvx512);
+#endif
+        default: return false;
+    }
+}
+
 int make_adam_scalars(const AdamHyper& h, SqrtMode mode, AdamScalars* out) {
     if (h.step < 1) return -EINVAL;
     for (double x : {h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.inv_loss_scale, h.clip_coef})
@@ -77,6 +96,7 @@ int make_adam_scalars(const AdamHyper& h, SqrtMode mode, AdamScalars* out) {
     out->apply_unscale = h.inv_loss_scale != 1.0;
     out->apply_clip = h.clip_coef != 1.0;
     out->apply_decay = h.weight_decay != 0.0;
+    if (!sqrt_mode_supported(mode)) return -EINVAL;
     out->sqrt_mode = mode;
     return 0;
 }
@@ -118,7 +138,7 @@ int grad_stats_range(Isa isa, const void* grad, DType dtype, std::size_t n, Grad
 }
 
 int sqrt_range(Isa isa, SqrtMode mode, const float* in, float* out, std::size_t n) {
-    if (!isa_supported(isa)) return -EINVAL;
+    if (!isa_supported(isa) || !sqrt_mode_supported(mode)) return -EINVAL;
     if (n == 0) return 0;
     if (!in || !out) return -EINVAL;
     switch (isa) {
@@ -198,6 +218,12 @@ static int available_cpus() {
 }
 
 CpuAdam::CpuAdam(int num_threads) : pool_(num_threads > 0 ? num_threads : available_cpus()), isa_(best_isa()) {}
+
+int CpuAdam::set_sqrt_mode(SqrtMode mode) {
+    if (!sqrt_mode_supported(mode)) return -ENOTSUP;
+    sqrt_mode_ = mode;
+    return 0;
+}
 
 int CpuAdam::set_isa(Isa isa) {
     if (!isa_supported(isa)) return -ENOTSUP;

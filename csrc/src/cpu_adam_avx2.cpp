@@ -55,6 +55,12 @@ MLP_TARGET_AVX2 inline void store8(void* out, DType dt, __m256 x) {
 }
 
 MLP_TARGET_AVX2 inline __m256 sqrt8(SqrtMode mode, __m256 x) {
+    if (mode == SqrtMode::kRsqrt14Fma) {  // only on AVX-512 CPUs forced onto this path (tests)
+        alignas(32) float t[8];
+        _mm256_store_ps(t, x);
+        sqrt_rsqrt14_fma_8(t, t);
+        return _mm256_load_ps(t);
+    }
     if (mode != SqrtMode::kRsqrtNewton) return _mm256_sqrt_ps(x);
     const __m256 half = _mm256_set1_ps(0.5f);
     const __m256 y = _mm256_rsqrt_ps(x);
@@ -74,27 +80,86 @@ MLP_TARGET_AVX2 inline __m256 sqrt8(SqrtMode mode, __m256 x) {
 
 struct Consts8 {
     __m256 inv, clip, decay, w, wm1, b2, omb2, bc2, eps, nss;
-    bool small_weight;
 };
 
+template <DType G, int O, bool SmallWeight, int Sq>
 MLP_TARGET_AVX2 inline void body8(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v,
-                                  const void* g, DType gdt, void* out, DType odt) {
-    __m256 gi = load8(g, gdt);
+                                  const void* g, void* out) {
+    __m256 gi = load8(g, G);
     if (s.apply_unscale) gi = _mm256_mul_ps(gi, c.inv);
     if (s.apply_clip) gi = _mm256_mul_ps(gi, c.clip);
     __m256 pi = _mm256_loadu_ps(p);
     if (s.apply_decay) pi = _mm256_mul_ps(pi, c.decay);
     __m256 mi = _mm256_loadu_ps(m);
     const __m256 diff = _mm256_sub_ps(gi, mi);
-    mi = c.small_weight ? _mm256_fmadd_ps(c.w, diff, mi) : _mm256_fmadd_ps(c.wm1, diff, gi);
+    mi = SmallWeight ? _mm256_fmadd_ps(c.w, diff, mi) : _mm256_fmadd_ps(c.wm1, diff, gi);
     __m256 vi = _mm256_mul_ps(_mm256_loadu_ps(v), c.b2);
     vi = _mm256_fmadd_ps(_mm256_mul_ps(c.omb2, gi), gi, vi);
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(sqrt8(s.sqrt_mode, vi), c.bc2), c.eps);
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(sqrt8(static_cast<SqrtMode>(Sq), vi), c.bc2), c.eps);
     pi = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(c.nss, mi), denom));
     _mm256_storeu_ps(p, pi);
     _mm256_storeu_ps(m, mi);
     _mm256_storeu_ps(v, vi);
-    if (out) store8(out, odt, pi);
+    if constexpr (O >= 0) store8(out, static_cast<DType>(O), pi);
+}
+
+template <DType G, int O, bool SmallWeight, int Sq>
+MLP_TARGET_AVX2 void loop8(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v, const void* g, void* out,
+                    std::size_t n) {
+    constexpr std::size_t gb = G == DType::kFloat32 ? 4 : 2;
+    constexpr std::size_t ob = O == static_cast<int>(DType::kFloat32) ? 4 : 2;
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        body8<G, O, SmallWeight, Sq>(s, c, p + i, m + i, v + i, static_cast<const char*>(g) + i * gb,
+                                        O >= 0 ? static_cast<char*>(out) + i * ob : nullptr);
+    }
+    if (i < n) {
+        const std::size_t r = n - i;
+        alignas(64) float tp[8] = {}, tm[8] = {}, tv[8] = {};
+        alignas(64) unsigned char tg[32] = {}, to[32] = {};
+        std::memcpy(tp, p + i, r * 4);
+        std::memcpy(tm, m + i, r * 4);
+        std::memcpy(tv, v + i, r * 4);
+        std::memcpy(tg, static_cast<const char*>(g) + i * gb, r * gb);
+        body8<G, O, SmallWeight, Sq>(s, c, tp, tm, tv, tg, to);
+        std::memcpy(p + i, tp, r * 4);
+        std::memcpy(m + i, tm, r * 4);
+        std::memcpy(v + i, tv, r * 4);
+        if constexpr (O >= 0) std::memcpy(static_cast<char*>(out) + i * ob, to, r * ob);
+    }
+}
+
+template <DType G, int O>
+MLP_TARGET_AVX2 void dispatch_flags8(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v, const void* g,
+                              void* out, std::size_t n, bool small_weight) {
+    constexpr int kIeee = static_cast<int>(SqrtMode::kIeee);
+    constexpr int kNewton = static_cast<int>(SqrtMode::kRsqrtNewton);
+    constexpr int k14 = static_cast<int>(SqrtMode::kRsqrt14Fma);
+    switch (s.sqrt_mode) {
+        case SqrtMode::kRsqrtNewton:
+            return small_weight ? loop8<G, O, true, kNewton>(s, c, p, m, v, g, out, n)
+                                : loop8<G, O, false, kNewton>(s, c, p, m, v, g, out, n);
+        case SqrtMode::kRsqrt14Fma:
+            return small_weight ? loop8<G, O, true, k14>(s, c, p, m, v, g, out, n)
+                                : loop8<G, O, false, k14>(s, c, p, m, v, g, out, n);
+        default:
+            return small_weight ? loop8<G, O, true, kIeee>(s, c, p, m, v, g, out, n)
+                                : loop8<G, O, false, kIeee>(s, c, p, m, v, g, out, n);
+    }
+}
+
+template <DType G>
+MLP_TARGET_AVX2 void dispatch_out8(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v, const void* g,
+                            void* out, DType odt, std::size_t n, bool small_weight) {
+    if (!out) return dispatch_flags8<G, -1>(s, c, p, m, v, g, out, n, small_weight);
+    switch (odt) {
+        case DType::kBFloat16:
+            return dispatch_flags8<G, static_cast<int>(DType::kBFloat16)>(s, c, p, m, v, g, out, n, small_weight);
+        case DType::kFloat16:
+            return dispatch_flags8<G, static_cast<int>(DType::kFloat16)>(s, c, p, m, v, g, out, n, small_weight);
+        default:
+            return dispatch_flags8<G, static_cast<int>(DType::kFloat32)>(s, c, p, m, v, g, out, n, small_weight);
+    }
 }
 
 }  // namespace
@@ -112,26 +177,12 @@ MLP_TARGET_AVX2 void adam_avx2(const AdamScalars& s, float* p, float* m, float* 
     c.bc2 = _mm256_set1_ps(s.bc2_sqrt);
     c.eps = _mm256_set1_ps(s.eps);
     c.nss = _mm256_set1_ps(s.neg_step_size);
-    c.small_weight = (s.lerp_weight < 0.5f && s.lerp_weight > -0.5f);
-    const std::size_t gb = dtype_bytes(gdt), ob = dtype_bytes(odt);
-    std::size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        body8(s, c, p + i, m + i, v + i, static_cast<const char*>(g) + i * gb, gdt,
-              out ? static_cast<char*>(out) + i * ob : nullptr, odt);
-    }
-    if (i < n) {
-        const std::size_t r = n - i;
-        alignas(32) float tp[8] = {}, tm[8] = {}, tv[8] = {};
-        alignas(32) unsigned char tg[32] = {}, to[32] = {};
-        std::memcpy(tp, p + i, r * 4);
-        std::memcpy(tm, m + i, r * 4);
-        std::memcpy(tv, v + i, r * 4);
-        std::memcpy(tg, static_cast<const char*>(g) + i * gb, r * gb);
-        body8(s, c, tp, tm, tv, tg, gdt, out ? to : nullptr, odt);
-        std::memcpy(p + i, tp, r * 4);
-        std::memcpy(m + i, tm, r * 4);
-        std::memcpy(v + i, tv, r * 4);
-        if (out) std::memcpy(static_cast<char*>(out) + i * ob, to, r * ob);
+    // lerp's branch as ATen's is_lerp_weight_small: |w| < 0.5 -> m + w*(g-m), else g + (w-1)*(g-m).
+    const bool small_weight = s.lerp_weight < 0.5f && s.lerp_weight > -0.5f;
+    switch (gdt) {
+        case DType::kBFloat16: return dispatch_out8<DType::kBFloat16>(s, c, p, m, v, g, out, odt, n, small_weight);
+        case DType::kFloat16: return dispatch_out8<DType::kFloat16>(s, c, p, m, v, g, out, odt, n, small_weight);
+        default: return dispatch_out8<DType::kFloat32>(s, c, p, m, v, g, out, odt, n, small_weight);
     }
 }
 

@@ -11,6 +11,7 @@
 #pragma clang fp contract(off)
 #endif
 
+#include <cstdint>
 #include <cstring>
 
 #include "mlp/cpu_adam.h"
@@ -18,6 +19,7 @@
 #if defined(__GNUC__) && !defined(__clang__)
 // GCC 12's avx512fintrin.h trips -Wmaybe-uninitialized on its own _mm512_undefined_*() (GCC PR105593).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -48,17 +50,60 @@ MLP_TARGET_AVX512 inline __m256i to_bf16_16(__m512 x) {
     return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, quiet));
 }
 
-MLP_TARGET_AVX512 inline void store16(void* out, DType dt, __m512 x) {
+// `stream`: non-temporal store (the output is only read later, by the host-to-device copy, so
+// fetching its lines into the cache first would cost a read per write). Needs `out` aligned to
+// the store width.
+MLP_TARGET_AVX512 inline void store16(void* out, DType dt, __m512 x, bool stream) {
     switch (dt) {
-        case DType::kBFloat16: _mm256_storeu_si256(static_cast<__m256i*>(out), to_bf16_16(x)); break;
-        case DType::kFloat16:
-            _mm256_storeu_si256(static_cast<__m256i*>(out), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        case DType::kBFloat16: {
+            const __m256i h = to_bf16_16(x);
+            if (stream) _mm256_stream_si256(static_cast<__m256i*>(out), h);
+            else _mm256_storeu_si256(static_cast<__m256i*>(out), h);
             break;
-        default: _mm512_storeu_ps(out, x); break;
+        }
+        case DType::kFloat16: {
+            const __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            if (stream) _mm256_stream_si256(static_cast<__m256i*>(out), h);
+            else _mm256_storeu_si256(static_cast<__m256i*>(out), h);
+            break;
+        }
+        default:
+            if (stream) _mm512_stream_ps(static_cast<float*>(out), x);
+            else _mm512_storeu_ps(out, x);
+            break;
     }
 }
 
+// MKL's AVX-512 vsSqrt: y = rsqrt14(x), s = x*y, h = y/2, sqrt = s + h*(x - s*s) with two fmas;
+// inputs below 2^-78 (y > 2^39) are scaled by 2^78 inside the correction; +-0, +-inf and
+// negatives take the exact sqrt (their IEEE results).
+MLP_TARGET_AVX512 inline __m512 sqrt16_rsqrt14_fma(__m512 x) {
+    const __m512 y = _mm512_rsqrt14_ps(x);
+    const __m512 h = _mm512_mul_ps(y, _mm512_set1_ps(0.5f));
+    const __m512 s = _mm512_mul_ps(y, x);
+    const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_set1_ps(0x1p39f), y, _CMP_LT_OS);
+    __m512 r;
+    if (__builtin_expect(tiny == 0, 1)) {
+        r = _mm512_fmadd_ps(_mm512_fnmadd_ps(s, s, x), h, s);
+    } else {
+        const __m512 xs = _mm512_mask_mul_ps(x, tiny, x, _mm512_set1_ps(0x1p78f));
+        const __m512 ss = _mm512_mask_mul_ps(s, tiny, s, _mm512_set1_ps(0x1p39f));
+        const __m512 hs = _mm512_mask_mul_ps(h, tiny, h, _mm512_set1_ps(0x1p-78f));
+        r = _mm512_fmadd_ps(hs, _mm512_fnmadd_ps(ss, ss, xs), s);
+    }
+    // +-0, +-inf and negative non-NaN lanes (vfpclassps 0x5e in MKL; integer compares need no AVX512DQ)
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+    const __m512i inf = _mm512_set1_epi32(0x7f800000);
+    const __mmask16 special = static_cast<__mmask16>(
+        _mm512_cmpeq_epi32_mask(mag, _mm512_setzero_si512()) | _mm512_cmpeq_epi32_mask(mag, inf) |
+        (_mm512_cmplt_epi32_mask(bits, _mm512_setzero_si512()) & _mm512_cmple_epi32_mask(mag, inf)));
+    if (__builtin_expect(special == 0, 1)) return r;
+    return _mm512_mask_blend_ps(special, r, _mm512_sqrt_ps(x));
+}
+
 MLP_TARGET_AVX512 inline __m512 sqrt16(SqrtMode mode, __m512 x) {
+    if (mode == SqrtMode::kRsqrt14Fma) return sqrt16_rsqrt14_fma(x);
     if (mode != SqrtMode::kRsqrtNewton) return _mm512_sqrt_ps(x);
     const __m512 half = _mm512_set1_ps(0.5f);
     const __m256 ylo = _mm256_rsqrt_ps(_mm512_castps512_ps256(x));
@@ -81,27 +126,27 @@ MLP_TARGET_AVX512 inline __m512 sqrt16(SqrtMode mode, __m512 x) {
 
 struct Consts16 {
     __m512 inv, clip, decay, w, wm1, b2, omb2, bc2, eps, nss;
-    bool small_weight;
 };
 
+template <DType G, int O, bool SmallWeight, int Sq>
 MLP_TARGET_AVX512 inline void body16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v,
-                                     const void* g, DType gdt, void* out, DType odt) {
-    __m512 gi = load16(g, gdt);
+                                     const void* g, void* out, bool stream) {
+    __m512 gi = load16(g, G);
     if (s.apply_unscale) gi = _mm512_mul_ps(gi, c.inv);
     if (s.apply_clip) gi = _mm512_mul_ps(gi, c.clip);
     __m512 pi = _mm512_loadu_ps(p);
     if (s.apply_decay) pi = _mm512_mul_ps(pi, c.decay);
     __m512 mi = _mm512_loadu_ps(m);
     const __m512 diff = _mm512_sub_ps(gi, mi);
-    mi = c.small_weight ? _mm512_fmadd_ps(c.w, diff, mi) : _mm512_fmadd_ps(c.wm1, diff, gi);
+    mi = SmallWeight ? _mm512_fmadd_ps(c.w, diff, mi) : _mm512_fmadd_ps(c.wm1, diff, gi);
     __m512 vi = _mm512_mul_ps(_mm512_loadu_ps(v), c.b2);
     vi = _mm512_fmadd_ps(_mm512_mul_ps(c.omb2, gi), gi, vi);
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(sqrt16(s.sqrt_mode, vi), c.bc2), c.eps);
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(sqrt16(static_cast<SqrtMode>(Sq), vi), c.bc2), c.eps);
     pi = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(c.nss, mi), denom));
     _mm512_storeu_ps(p, pi);
     _mm512_storeu_ps(m, mi);
     _mm512_storeu_ps(v, vi);
-    if (out) store16(out, odt, pi);
+    if constexpr (O >= 0) store16(out, static_cast<DType>(O), pi, stream);
 }
 
 struct StatsAcc16 {
@@ -119,6 +164,68 @@ MLP_TARGET_AVX512 inline void stats_one16(StatsAcc16& a, __m512 x) {
     a.acc1 = _mm512_fmadd_pd(hi, hi, a.acc1);
 }
 
+template <DType G, int O, bool SmallWeight, int Sq>
+MLP_TARGET_AVX512 void loop16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v, const void* g, void* out,
+                    std::size_t n) {
+    constexpr std::size_t gb = G == DType::kFloat32 ? 4 : 2;
+    constexpr std::size_t ob = O == static_cast<int>(DType::kFloat32) ? 4 : 2;
+    // Every full-vector store lands on a multiple of its width when `out` is 64-byte aligned.
+    const bool stream = O >= 0 && (reinterpret_cast<std::uintptr_t>(out) & 63u) == 0;
+    std::size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        body16<G, O, SmallWeight, Sq>(s, c, p + i, m + i, v + i, static_cast<const char*>(g) + i * gb,
+                                        O >= 0 ? static_cast<char*>(out) + i * ob : nullptr, stream);
+    }
+    if (stream) _mm_sfence();  // order the streamed stores before the caller reads `out`
+    if (i < n) {
+        const std::size_t r = n - i;
+        alignas(64) float tp[16] = {}, tm[16] = {}, tv[16] = {};
+        alignas(64) unsigned char tg[64] = {}, to[64] = {};
+        std::memcpy(tp, p + i, r * 4);
+        std::memcpy(tm, m + i, r * 4);
+        std::memcpy(tv, v + i, r * 4);
+        std::memcpy(tg, static_cast<const char*>(g) + i * gb, r * gb);
+        body16<G, O, SmallWeight, Sq>(s, c, tp, tm, tv, tg, to, false);
+        std::memcpy(p + i, tp, r * 4);
+        std::memcpy(m + i, tm, r * 4);
+        std::memcpy(v + i, tv, r * 4);
+        if constexpr (O >= 0) std::memcpy(static_cast<char*>(out) + i * ob, to, r * ob);
+    }
+}
+
+template <DType G, int O>
+MLP_TARGET_AVX512 void dispatch_flags16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v, const void* g,
+                              void* out, std::size_t n, bool small_weight) {
+    constexpr int kIeee = static_cast<int>(SqrtMode::kIeee);
+    constexpr int kNewton = static_cast<int>(SqrtMode::kRsqrtNewton);
+    constexpr int k14 = static_cast<int>(SqrtMode::kRsqrt14Fma);
+    switch (s.sqrt_mode) {
+        case SqrtMode::kRsqrtNewton:
+            return small_weight ? loop16<G, O, true, kNewton>(s, c, p, m, v, g, out, n)
+                                : loop16<G, O, false, kNewton>(s, c, p, m, v, g, out, n);
+        case SqrtMode::kRsqrt14Fma:
+            return small_weight ? loop16<G, O, true, k14>(s, c, p, m, v, g, out, n)
+                                : loop16<G, O, false, k14>(s, c, p, m, v, g, out, n);
+        default:
+            return small_weight ? loop16<G, O, true, kIeee>(s, c, p, m, v, g, out, n)
+                                : loop16<G, O, false, kIeee>(s, c, p, m, v, g, out, n);
+    }
+}
+
+template <DType G>
+MLP_TARGET_AVX512 void dispatch_out16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v, const void* g,
+                            void* out, DType odt, std::size_t n, bool small_weight) {
+    if (!out) return dispatch_flags16<G, -1>(s, c, p, m, v, g, out, n, small_weight);
+    switch (odt) {
+        case DType::kBFloat16:
+            return dispatch_flags16<G, static_cast<int>(DType::kBFloat16)>(s, c, p, m, v, g, out, n, small_weight);
+        case DType::kFloat16:
+            return dispatch_flags16<G, static_cast<int>(DType::kFloat16)>(s, c, p, m, v, g, out, n, small_weight);
+        default:
+            return dispatch_flags16<G, static_cast<int>(DType::kFloat32)>(s, c, p, m, v, g, out, n, small_weight);
+    }
+}
+
 }  // namespace
 
 MLP_TARGET_AVX512 void adam_avx512(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt,
@@ -134,26 +241,12 @@ MLP_TARGET_AVX512 void adam_avx512(const AdamScalars& s, float* p, float* m, flo
     c.bc2 = _mm512_set1_ps(s.bc2_sqrt);
     c.eps = _mm512_set1_ps(s.eps);
     c.nss = _mm512_set1_ps(s.neg_step_size);
-    c.small_weight = (s.lerp_weight < 0.5f && s.lerp_weight > -0.5f);
-    const std::size_t gb = dtype_bytes(gdt), ob = dtype_bytes(odt);
-    std::size_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        body16(s, c, p + i, m + i, v + i, static_cast<const char*>(g) + i * gb, gdt,
-               out ? static_cast<char*>(out) + i * ob : nullptr, odt);
-    }
-    if (i < n) {
-        const std::size_t r = n - i;
-        alignas(64) float tp[16] = {}, tm[16] = {}, tv[16] = {};
-        alignas(64) unsigned char tg[64] = {}, to[64] = {};
-        std::memcpy(tp, p + i, r * 4);
-        std::memcpy(tm, m + i, r * 4);
-        std::memcpy(tv, v + i, r * 4);
-        std::memcpy(tg, static_cast<const char*>(g) + i * gb, r * gb);
-        body16(s, c, tp, tm, tv, tg, gdt, out ? to : nullptr, odt);
-        std::memcpy(p + i, tp, r * 4);
-        std::memcpy(m + i, tm, r * 4);
-        std::memcpy(v + i, tv, r * 4);
-        if (out) std::memcpy(static_cast<char*>(out) + i * ob, to, r * ob);
+    // lerp's branch as ATen's is_lerp_weight_small: |w| < 0.5 -> m + w*(g-m), else g + (w-1)*(g-m).
+    const bool small_weight = s.lerp_weight < 0.5f && s.lerp_weight > -0.5f;
+    switch (gdt) {
+        case DType::kBFloat16: return dispatch_out16<DType::kBFloat16>(s, c, p, m, v, g, out, odt, n, small_weight);
+        case DType::kFloat16: return dispatch_out16<DType::kFloat16>(s, c, p, m, v, g, out, odt, n, small_weight);
+        default: return dispatch_out16<DType::kFloat32>(s, c, p, m, v, g, out, odt, n, small_weight);
     }
 }
 
@@ -184,6 +277,15 @@ MLP_TARGET_AVX512 void sqrt_avx512(SqrtMode mode, const float* in, float* out, s
     }
 }
 
+MLP_TARGET_AVX512 float sqrt_rsqrt14_fma_1(float x) {
+    return _mm_cvtss_f32(_mm512_castps512_ps128(sqrt16_rsqrt14_fma(_mm512_set1_ps(x))));
+}
+
+MLP_TARGET_AVX512 void sqrt_rsqrt14_fma_8(const float* in, float* out) {
+    const __m512 r = sqrt16_rsqrt14_fma(_mm512_castps256_ps512(_mm256_loadu_ps(in)));
+    _mm256_storeu_ps(out, _mm512_castps512_ps256(r));
+}
+
 }  // namespace detail
 }  // namespace mlp
 
@@ -197,6 +299,8 @@ void adam_avx512(const AdamScalars& s, float* p, float* m, float* v, const void*
 }
 void stats_avx512(const void* g, DType dt, std::size_t n, GradStats* out) { stats_scalar(g, dt, n, out); }
 void sqrt_avx512(SqrtMode mode, const float* in, float* out, std::size_t n) { sqrt_scalar(mode, in, out, n); }
+float sqrt_rsqrt14_fma_1(float x) { return x; }  // never called: the mode is unsupported here
+void sqrt_rsqrt14_fma_8(const float* in, float* out) { for (int i = 0; i < 8; ++i) out[i] = in[i]; }
 }  // namespace detail
 }  // namespace mlp
 #endif

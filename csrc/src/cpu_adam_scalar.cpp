@@ -93,6 +93,7 @@ inline float kernel_sqrt(SqrtMode mode, float x) {
         const float d = x - s1 * s1;
         return d * h1 + s1;
     }
+    if (mode == SqrtMode::kRsqrt14Fma) return sqrt_rsqrt14_fma_1(x);
 #else
     (void)mode;
 #endif

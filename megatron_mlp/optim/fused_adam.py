@@ -52,18 +52,21 @@ def _kernel():
 def _detect_torch_sqrt(kernel) -> str:
     """Which sqrt the installed torch computes for fp32 CPU tensors.
 
-    torch built with MKL evaluates ``Tensor.sqrt()`` with MKL's vsSqrt, whose generic SSE kernel
-    (taken e.g. on AMD CPUs) is rsqrt + Newton and differs from the correctly rounded sqrt in about
-    one element in five by 1 ulp. AdamW's denominator goes through it, so to stay bit-identical the
-    kernel uses the same sequence when torch does. Returns "ieee" when torch's sqrt is correctly
-    rounded or is neither of the two (then the update is within 1 ulp of torch per sqrt).
+    torch built with MKL evaluates ``Tensor.sqrt()`` with MKL's vsSqrt, and which kernel MKL runs
+    depends on the CPU: correctly rounded (its AVX2 kernel), rsqrt + Newton (its generic SSE
+    kernel, e.g. on AMD CPUs; about one element in five 1 ulp off) or rsqrt14 + fma (its AVX-512
+    kernel on Intel CPUs; about one in a hundred 1 ulp off). AdamW's denominator goes through it,
+    so to stay bit-identical the kernel uses the same sequence. Returns "ieee" when torch's sqrt
+    matches none of them (the update is then within 1 ulp of torch per sqrt).
     """
     gen = torch.Generator().manual_seed(1234)
-    # Values spanning the exponent range Adam's exp_avg_sq sees, plus a full sweep of mantissas.
-    x = torch.rand(8192, generator=gen, dtype=torch.float64).mul_(40).sub_(36)
+    # Values spanning the exponent range Adam's exp_avg_sq sees, with random mantissas.
+    x = torch.rand(16384, generator=gen, dtype=torch.float64).mul_(40).sub_(36)
     x = torch.pow(10.0, x).float()
     ref = x.sqrt()
-    for mode in ("rsqrt_newton", "ieee"):
+    for mode in ("ieee", "rsqrt_newton", "rsqrt14_fma"):
+        if not _C.sqrt_mode_supported(mode):
+            continue
         kernel.set_sqrt_mode(mode)
         out = torch.empty_like(x)
         kernel.sqrt(x.data_ptr(), out.data_ptr(), x.numel())
@@ -88,12 +91,16 @@ def set_kernel_isa(name: str) -> None:
 
 
 def sqrt_mode() -> str:
-    """The sqrt the kernel uses: "rsqrt_newton" (as MKL's vsSqrt on this CPU) or "ieee"."""
+    """The sqrt the kernel uses: "ieee", "rsqrt_newton" or "rsqrt14_fma" (see _detect_torch_sqrt)."""
     return _kernel().sqrt_mode
 
 
 def set_sqrt_mode(name: str) -> None:
-    """Force the kernel's sqrt ("ieee", "rsqrt_newton", or "auto" = match the installed torch)."""
+    """Force the kernel's sqrt ("ieee", "rsqrt_newton", "rsqrt14_fma", or "auto" = match the installed torch).
+
+    Raises:
+        ValueError: unknown name, or a sequence this CPU cannot compute (rsqrt14_fma needs AVX-512).
+    """
     k = _kernel()
     k.set_sqrt_mode(_detect_torch_sqrt(k) if name == "auto" else name)
 

@@ -254,15 +254,86 @@ def test_unsupported_or_unknown_isa_is_rejected_when_forced():
 
 def test_auto_sqrt_mode_matches_torch_sqrt_when_detected():
     gen = torch.Generator().manual_seed(77)
-    x = torch.rand(100_003, generator=gen) * 10
+    x = torch.cat([torch.rand(100_003, generator=gen) * 10, torch.rand(10_000, generator=gen) * 1e-30,
+                   torch.tensor([0.0, 1e-45, 1e-40, float("inf")])])
     k = fa._kernel()
     out = torch.empty_like(x)
     k.sqrt(x.data_ptr(), out.data_ptr(), x.numel())
     if fa.sqrt_mode() == "ieee":
-        exact = x.double().sqrt().float()
-        assert_bitwise_equal(out, exact, "ieee sqrt")
+        assert_bitwise_equal(out, x.double().sqrt().float(), "ieee sqrt")
     else:
-        assert_bitwise_equal(out, x.sqrt(), "rsqrt_newton sqrt vs torch")
+        assert_bitwise_equal(out, x.sqrt(), f"{fa.sqrt_mode()} sqrt vs torch")
+
+
+def _mkl_kernel(name):
+    """An MKL vsSqrt kernel exported by torch's MKL build, or None."""
+    import ctypes
+    import os
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        return getattr(lib, name)
+    except (OSError, AttributeError):
+        return None
+
+
+@pytest.mark.parametrize("mode, kernel", [("rsqrt_newton", "mkl_vml_kernel_sSqrt_EXHAynn"),
+                                          ("rsqrt14_fma", "mkl_vml_kernel_sSqrt_Z0HAynn")])
+def test_sqrt_modes_reproduce_mkl_vssqrt_kernels_when_torch_exports_them(isa, mode, kernel):
+    """Each mode against the MKL kernel it mirrors, called directly (CPU-independent evidence)."""
+    import ctypes
+    fn = _mkl_kernel(kernel)
+    if fn is None or "Math Kernel Library Version 2024" not in torch.__config__.show():
+        pytest.skip(f"torch does not export MKL 2024's {kernel} here")
+    if not _C.sqrt_mode_supported(mode):
+        pytest.skip(f"this CPU cannot run {kernel} / sqrt mode {mode}")
+    gen = torch.Generator().manual_seed(5)
+    bits_ = torch.cat([torch.randint(0, 0x7F800000, (300_000,), generator=gen, dtype=torch.int64),
+                       torch.arange(0, 0x00800000, 97), torch.arange(0x7F7F0000, 0x7F800001, 3)]).to(torch.int32)
+    x = bits_.view(torch.float32).clone()
+    ref = torch.empty_like(x)
+    fn(ctypes.c_int64(x.numel()), ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(ref.data_ptr()))
+    previous = fa.sqrt_mode()
+    try:
+        fa.set_sqrt_mode(mode)
+        out = torch.empty_like(x)
+        fa._kernel().sqrt(x.data_ptr(), out.data_ptr(), x.numel())
+    finally:
+        fa.set_sqrt_mode(previous)
+    assert_bitwise_equal(out, ref, f"{mode} vs {kernel}")
+
+
+@pytest.mark.parametrize("mode", ["ieee", "rsqrt_newton", "rsqrt14_fma"])
+def test_all_isa_paths_agree_bitwise_when_sqrt_mode_is_forced(mode):
+    if not _C.sqrt_mode_supported(mode):
+        pytest.skip(f"this CPU cannot compute sqrt mode {mode}")
+    n = 1037
+    gen = torch.Generator().manual_seed(12)
+    param0 = torch.randn(n, generator=gen)
+    grads = make_grads(n, torch.bfloat16, 10, seed=12, zero_fraction=0.1)
+    grads[3][::5] = 1e-25  # tiny second moments: the scaled lanes of rsqrt14_fma
+    previous_isa, previous_mode = fa.kernel_isa(), fa.sqrt_mode()
+    results = {}
+    try:
+        fa.set_sqrt_mode(mode)
+        for name in ISAS:
+            if _C.isa_supported(name):
+                fa.set_kernel_isa(name)
+                results[name] = fused_run(param0, grads, **HYPER[0], out_dtype=torch.bfloat16)
+    finally:
+        fa.set_kernel_isa(previous_isa)
+        fa.set_sqrt_mode(previous_mode)
+    base = results.pop("scalar")
+    for name, r in results.items():
+        for a, b, what in zip(r, base, ("param", "exp_avg", "exp_avg_sq", "param_out")):
+            assert_bitwise_equal(a, b, f"{what} ({name} vs scalar, sqrt {mode})")
+
+
+def test_unknown_or_unsupported_sqrt_mode_is_rejected_when_forced():
+    with pytest.raises(ValueError, match=r"sqrt mode must be 'ieee', 'rsqrt_newton' or 'rsqrt14_fma', got 'fast'"):
+        fa.set_sqrt_mode("fast")
+    if not _C.sqrt_mode_supported("rsqrt14_fma"):
+        with pytest.raises(ValueError, match=r"'rsqrt14_fma' is not supported by this CPU"):
+            fa.set_sqrt_mode("rsqrt14_fma")
 
 
 def test_ieee_sqrt_mode_is_correctly_rounded_when_forced(isa):
@@ -319,3 +390,17 @@ def test_update_matches_torch_when_grad_and_out_dtypes_are_combined(combo):
     p, _, _, out = fused_run(param0, grads, **HYPER[1], out_dtype=out_dtype)
     assert_bitwise_equal(p, rp, "param")
     assert_bitwise_equal(out, rp.to(out_dtype), "param_out")
+
+
+@pytest.mark.parametrize("out_dtype", GRAD_DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_param_out_is_correct_when_output_buffer_is_not_cache_line_aligned(isa, out_dtype):
+    n = 1000
+    param0 = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    grads = make_grads(n, torch.bfloat16, 3, seed=6)
+    buf = torch.full((n + 2,), 7.0, dtype=out_dtype)
+    out = buf[1:n + 1]  # one element past an aligned allocation: regular stores, not streamed
+    p, m, v = param0.clone(), torch.zeros(n), torch.zeros(n)
+    for step, g in enumerate(grads, start=1):
+        fa.fused_adam_step(p, m, v, g, out, step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    assert_bitwise_equal(out, p.to(out_dtype), "param_out")
+    assert buf[0].item() == 7.0 and buf[-1].item() == 7.0, "wrote outside param_out"

@@ -10,9 +10,12 @@
 //   d  = sqrt(v) / f32(sqrt(1 - beta2^step)) + f32(eps)
 //   p  = p + (f32(-lr / (1 - beta1^step)) * m) / d           (addcdiv)
 // Bias corrections are computed in double exactly as torch's Python code does.
-// `sqrt` is either correctly rounded (SqrtMode::kIeee) or the rsqrt + Newton sequence of MKL's
-// generic SSE vsSqrt kernel (SqrtMode::kRsqrtNewton), which is what torch built with MKL computes
-// for Tensor.sqrt() on CPUs where MKL does not take its Intel-specific paths (e.g. AMD EPYC).
+// `sqrt` is one of the three that torch's Tensor.sqrt() computes on x86 CPUs:
+//   SqrtMode::kIeee         correctly rounded (torch without MKL; MKL's AVX2 kernel),
+//   SqrtMode::kRsqrtNewton  MKL vsSqrt's generic SSE kernel, rsqrt + Newton without fma (taken
+//                           e.g. on AMD EPYC, where MKL skips its Intel-specific kernels),
+//   SqrtMode::kRsqrt14Fma   MKL vsSqrt's AVX-512 kernel, rsqrt14 + one fma correction (Intel
+//                           CPUs with AVX-512; needs AVX-512F on every path).
 // The Python layer detects which one the installed torch uses.
 //
 // No libtorch, no libpython: raw pointers, element counts and a dtype enum. The hot path returns
@@ -31,7 +34,7 @@ namespace mlp {
 
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-enum class SqrtMode : int { kIeee = 0, kRsqrtNewton = 1 };
+enum class SqrtMode : int { kIeee = 0, kRsqrtNewton = 1, kRsqrt14Fma = 2 };
 
 const char* isa_name(Isa isa);
 const char* dtype_name(DType dt);
@@ -40,6 +43,9 @@ std::size_t dtype_bytes(DType dt);
 bool isa_supported(Isa isa);
 // The fastest supported ISA.
 Isa best_isa();
+const char* sqrt_mode_name(SqrtMode mode);
+// Whether this CPU can compute `mode` (kRsqrt14Fma needs AVX-512F, kRsqrtNewton x86 SSE).
+bool sqrt_mode_supported(SqrtMode mode);
 
 // Hyper-parameters of one step, as the caller (torch's param_groups) holds them.
 struct AdamHyper {
@@ -126,7 +132,8 @@ public:
     // Returns -ENOTSUP when this CPU cannot run `isa`.
     int set_isa(Isa isa);
     SqrtMode sqrt_mode() const { return sqrt_mode_; }
-    void set_sqrt_mode(SqrtMode mode) { sqrt_mode_ = mode; }
+    // Returns -ENOTSUP when this CPU cannot compute `mode`.
+    int set_sqrt_mode(SqrtMode mode);
 
     // Updates param/exp_avg/exp_avg_sq (fp32, n elements) in place from grad; writes the new
     // params converted to out_dtype into `out` when it is not null. num_threads <= 0: all.
@@ -166,6 +173,10 @@ void stats_avx512(const void* g, DType dt, std::size_t n, GradStats* out);
 void sqrt_scalar(SqrtMode mode, const float* in, float* out, std::size_t n);
 void sqrt_avx2(SqrtMode mode, const float* in, float* out, std::size_t n);
 void sqrt_avx512(SqrtMode mode, const float* in, float* out, std::size_t n);
+// MKL's AVX-512 sqrt sequence for the scalar and AVX2 paths (defined with an AVX-512 target;
+// only called when sqrt_mode_supported(kRsqrt14Fma)).
+float sqrt_rsqrt14_fma_1(float x);
+void sqrt_rsqrt14_fma_8(const float* in, float* out);
 
 // Bit conversions shared by all paths (scalar definitions; SIMD paths reproduce them exactly).
 inline float bf16_to_f32(std::uint16_t h) {

@@ -31,7 +31,8 @@ Isa parse_isa(const std::string& name) {
 SqrtMode parse_sqrt(const std::string& name) {
     if (name == "ieee") return SqrtMode::kIeee;
     if (name == "rsqrt_newton") return SqrtMode::kRsqrtNewton;
-    throw py::value_error("sqrt mode must be 'ieee' or 'rsqrt_newton', got '" + name + "'");
+    if (name == "rsqrt14_fma") return SqrtMode::kRsqrt14Fma;
+    throw py::value_error("sqrt mode must be 'ieee', 'rsqrt_newton' or 'rsqrt14_fma', got '" + name + "'");
 }
 
 DType to_dtype(int code) {
@@ -57,6 +58,7 @@ void bind_adam(py::module_& m) {
     m.def("isa_supported", [](const std::string& name) { return isa_supported(parse_isa(name)); },
           "Whether this CPU can run the given kernel ISA ('avx512', 'avx2', 'scalar').");
     m.def("best_isa", [] { return std::string(isa_name(best_isa())); });
+    m.def("sqrt_mode_supported", [](const std::string& name) { return sqrt_mode_supported(parse_sqrt(name)); });
 
     py::class_<CpuAdam>(m, "CpuAdam")
         .def(py::init<int>(), py::arg("num_threads") = 0)
@@ -70,9 +72,13 @@ void bind_adam(py::module_& m) {
              })
         .def_property_readonly("sqrt_mode",
                                [](const CpuAdam& a) {
-                                   return std::string(a.sqrt_mode() == SqrtMode::kIeee ? "ieee" : "rsqrt_newton");
+                                   return std::string(sqrt_mode_name(a.sqrt_mode()));
                                })
-        .def("set_sqrt_mode", [](CpuAdam& a, const std::string& name) { a.set_sqrt_mode(parse_sqrt(name)); })
+        .def("set_sqrt_mode",
+             [](CpuAdam& a, const std::string& name) {
+                 if (a.set_sqrt_mode(parse_sqrt(name)) != 0)
+                     throw py::value_error("sqrt mode '" + name + "' is not supported by this CPU");
+             })
         .def(
             "step",
             [](CpuAdam& a, std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,

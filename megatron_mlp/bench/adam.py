@@ -1,0 +1,225 @@
+"""`megatron-mlp bench adam`: fused CPU Adam throughput against torch and DeepSpeed, and the memory bound.
+
+Everything is measured in the same run, with the same thread count:
+  * megatron_mlp's fused_adam_step (gradient read in its own dtype, new params written in 16 bit),
+  * torch.optim.AdamW(fused=True) with the upcast it needs (``grad.float()`` every step, timed),
+  * DeepSpeedCPUAdam with the same upcast, when deepspeed is importable,
+  * the memory-bandwidth bound: a STREAM-like copy (torch ``copy_``, counted as bytes read plus
+    bytes written) divided by the bytes the fused step must move per parameter:
+    read p, m, v (12) + read grad (2 or 4) + write p, m, v (12) + write params out (2 or 4).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+GRAD_DTYPES = ("bf16", "fp16", "fp32")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-mlp bench adam", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-params", type=int, default=50_000_000, help="parameters per step (default 50M)")
+    p.add_argument("--grad-dtype", default="bf16", help="gradient dtype: bf16 | fp16 | fp32 (default bf16)")
+    p.add_argument("--threads", type=int, default=0, help="threads for every contender (default: all CPUs)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per contender (default 5)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout and nothing else")
+    return p
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _time_runs(fn, repeats: int, warmup: int = 1) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _copy_bandwidth(torch, nbytes: int, repeats: int) -> float:
+    """Best STREAM-like copy bandwidth in bytes/s (read + write), with torch's current threads."""
+    n = nbytes // 4
+    src = torch.ones(n)
+    dst = torch.zeros(n)  # both touched: no page faults in the timed copies
+    times = _time_runs(lambda: dst.copy_(src), max(3, repeats))
+    del src, dst
+    return 2 * n * 4 / min(times)
+
+
+def _summary(num_params: int, times: list[float]) -> dict:
+    rates = sorted(num_params / t / 1e9 for t in times)
+    return {"median": statistics.median(rates), "min": rates[0], "max": rates[-1]}
+
+
+def _deepspeed_adam():
+    """DeepSpeedCPUAdam class, or (None, reason)."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415 (optional dependency)
+    except Exception as exc:  # not installed, or its op cannot be built here
+        return None, f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
+    return DeepSpeedCPUAdam, None
+
+
+def run(args) -> dict:
+    import torch
+
+    from megatron_mlp.optim import fused_adam as fa
+    from megatron_mlp.optim.checksum import crc32c, crc32c_impl
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    grad_dtype = dtypes[args.grad_dtype]
+    out_dtype = torch.float16 if args.grad_dtype == "fp16" else torch.bfloat16
+    threads = args.threads or fa.num_kernel_threads()
+    torch.set_num_threads(threads)
+    n = args.num_params
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    grad_bytes = grad_dtype.itemsize
+    out_bytes = out_dtype.itemsize
+    bytes_per_param = 12 + grad_bytes + 12 + out_bytes
+
+    gen = torch.Generator().manual_seed(0)
+    grad = (torch.randn(n, generator=gen) * 1e-3).to(grad_dtype)
+    result: dict = {"num_params": n, "grad_dtype": args.grad_dtype, "out_dtype": str(out_dtype).split(".")[-1],
+                    "threads": threads, "repeats": args.repeats, "isa": fa.kernel_isa(),
+                    "sqrt_mode": fa.sqrt_mode(), "cpu": _cpu_model(), "torch_version": torch.__version__}
+
+    # 1. bandwidth bound, measured first and again last; the better of the two is the bound.
+    # Copy buffers larger than the last-level cache for real sizes; tiny (smoke) sizes use 8 MiB.
+    copy_bytes = min(max(n * 16, 64 << 20), 512 << 20) if n >= (1 << 20) else 8 << 20
+    bw_first = _copy_bandwidth(torch, copy_bytes, args.repeats)
+
+    # 2. megatron_mlp fused step
+    p = torch.randn(n, generator=gen)
+    m = torch.zeros(n)
+    v = torch.zeros(n)
+    out = torch.empty(n, dtype=out_dtype)
+    step = [0]
+
+    def mlp_step():
+        step[0] += 1
+        fa.fused_adam_step(p, m, v, grad, out, step=step[0], num_threads=threads, **hyper)
+
+    mlp = _summary(n, _time_runs(mlp_step, args.repeats))
+
+    # crc32c over the fp32 state the step just touched (what a tier read verifies)
+    crc_times = _time_runs(lambda: crc32c(p), max(3, args.repeats))
+    result["crc32c_gbs"] = n * 4 / min(crc_times) / 1e9
+    result["crc32c_impl"] = crc32c_impl()
+    del p, m, v, out
+    gc.collect()
+
+    # 3. torch fused AdamW with the upcast it needs
+    tp = torch.nn.Parameter(torch.randn(n, generator=gen))
+    topt = torch.optim.AdamW([tp], lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
+                             weight_decay=hyper["weight_decay"], fused=True)
+
+    def torch_step():
+        tp.grad = grad.float()
+        topt.step()
+
+    tor = _summary(n, _time_runs(torch_step, args.repeats))
+    del tp, topt
+    gc.collect()
+
+    # 4. DeepSpeedCPUAdam (optional)
+    ds_cls, ds_reason = _deepspeed_adam()
+    ds = None
+    if ds_cls is not None:
+        try:
+            dp = torch.nn.Parameter(torch.randn(n, generator=gen))
+            dopt = ds_cls([dp], lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
+                          weight_decay=hyper["weight_decay"], adamw_mode=True)
+
+            def ds_step():
+                dp.grad = grad.float()
+                dopt.step()
+
+            ds = _summary(n, _time_runs(ds_step, args.repeats))
+            del dp, dopt
+        except Exception as exc:  # its JIT build can fail on a user's machine: report, don't die
+            ds_reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
+        gc.collect()
+
+    bw = max(bw_first, _copy_bandwidth(torch, copy_bytes, args.repeats))
+    bound = bw / bytes_per_param / 1e9
+    result.update({
+        "mlp_gparams_s": mlp["median"], "mlp_gparams_s_min": mlp["min"], "mlp_gparams_s_max": mlp["max"],
+        "torch_gparams_s": tor["median"], "torch_gparams_s_min": tor["min"], "torch_gparams_s_max": tor["max"],
+        "copy_gbs": bw / 1e9, "bytes_per_param": bytes_per_param, "bound_gparams_s": bound,
+        "ratio_vs_torch": mlp["median"] / tor["median"], "fraction_of_bound": mlp["median"] / bound,
+    })
+    if ds is not None:
+        result.update({"deepspeed_gparams_s": ds["median"], "deepspeed_gparams_s_min": ds["min"],
+                       "deepspeed_gparams_s_max": ds["max"], "ratio_vs_deepspeed": mlp["median"] / ds["median"]})
+    else:
+        result["deepspeed_unavailable"] = ds_reason
+    result["bound_model"] = (f"copy bandwidth / bytes per param; bytes per param = read p,m,v 12 + read grad "
+                             f"{grad_bytes} + write p,m,v 12 + write params out {out_bytes} = {bytes_per_param}")
+    return result
+
+
+def _print_human(r: dict) -> None:
+    print(f"fused CPU Adam: {r['num_params']:,} params, grad {r['grad_dtype']} -> params out {r['out_dtype']}, "
+          f"{r['threads']} threads, kernel {r['isa']} (sqrt {r['sqrt_mode']})")
+    print(f"CPU: {r['cpu']}; torch {r['torch_version']}; median of {r['repeats']} steps after one warm-up")
+    print(f"memory copy bandwidth (torch copy_, read+write, best): {r['copy_gbs']:.1f} GB/s")
+    print(f"bound: {r['bound_model']} -> {r['bound_gparams_s']:.2f} Gparam/s")
+    print(f"{'':34}{'median':>8}{'min':>8}{'max':>8}   Gparam/s")
+    rows = [("megatron_mlp fused_adam_step", "mlp"), ("torch AdamW(fused=True) + upcast", "torch")]
+    if "deepspeed_gparams_s" in r:
+        rows.append(("DeepSpeedCPUAdam + upcast", "deepspeed"))
+    for label, key in rows:
+        print(f"{label:34}{r[key + '_gparams_s']:8.2f}{r[key + '_gparams_s_min']:8.2f}{r[key + '_gparams_s_max']:8.2f}")
+    if "deepspeed_unavailable" in r:
+        print(f"DeepSpeedCPUAdam: not measured ({r['deepspeed_unavailable']})")
+    print(f"ratio vs torch: {r['ratio_vs_torch']:.2f}x; fraction of bound: {r['fraction_of_bound']:.2f}"
+          + (f"; ratio vs DeepSpeed: {r['ratio_vs_deepspeed']:.2f}x" if "ratio_vs_deepspeed" in r else ""))
+    print(f"crc32c ({r['crc32c_impl']}): {r['crc32c_gbs']:.1f} GB/s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.grad_dtype not in GRAD_DTYPES:
+        print(f"megatron-mlp bench adam: --grad-dtype must be one of {', '.join(GRAD_DTYPES)}, "
+              f"got {args.grad_dtype!r}", file=sys.stderr)
+        return 2
+    if args.num_params < 1:
+        print(f"megatron-mlp bench adam: --num-params must be >= 1, got {args.num_params}", file=sys.stderr)
+        return 2
+    if args.repeats < 1:
+        print(f"megatron-mlp bench adam: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
+        return 2
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if args.threads < 0 or args.threads > cpus:
+        print(f"megatron-mlp bench adam: --threads must be between 1 and the {cpus} CPUs this process may run "
+              f"on (0 = all), got {args.threads}", file=sys.stderr)
+        return 2
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_human(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
