@@ -1,0 +1,93 @@
+"""Zero-edit launcher: run an unmodified Megatron-LM pretrain script with MLP-Offload.
+
+    torchrun --nproc_per_node 8 -m megatron_mlp.launch /path/to/Megatron-LM/pretrain_gpt.py \\
+        <Megatron args> --use-distributed-optimizer --mlp-offload --mlp-offload-paths "/nvme/x;/pfs/x"
+
+Runs the script as Python would run it (``sys.argv`` = script and its arguments, the script's
+directory first on ``sys.path``, ``__name__ == "__main__"``), after:
+
+1. ``--mlp-offload-cpu`` / ``MLP_OFFLOAD_CPU=1``: the CPU harness (smoke runs without a GPU);
+2. a pre-flight check of the ``--mlp-offload*`` values, so a typo fails in a second on every rank
+   instead of after model construction;
+3. the hooks of :mod:`megatron_mlp.megatron.hooks` (flags in Megatron's parser, the optimizer
+   factory, the timer log).
+
+Nothing in the checkout is modified. Without ``--mlp-offload`` the script runs exactly as before.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+
+from megatron_mlp.errors import ConfigError
+from megatron_mlp.megatron.arguments import add_mlp_offload_args, config_from_args, cpu_requested
+
+USAGE = ("usage: python -m megatron_mlp.launch /path/to/Megatron-LM/pretrain_gpt.py <Megatron args> "
+         "[--mlp-offload --mlp-offload-paths PATHS ...]\n"
+         "       (under torchrun: torchrun --nproc_per_node N -m megatron_mlp.launch SCRIPT ARGS)")
+
+
+def preflight(script_args: list[str]) -> None:
+    """Validate the ``--mlp-offload*`` values before Megatron starts.
+
+    Megatron's arguments are left to Megatron, except the ones MLP-Offload needs
+    (``--use-distributed-optimizer``, ``--optimizer``). Skipped when Megatron may take arguments
+    from elsewhere (``--yaml-cfg``, ``--use-checkpoint-args``); the optimizer hook checks again.
+
+    Raises:
+        ConfigError: naming the flag and the value.
+    """
+    if "--yaml-cfg" in script_args or "--use-checkpoint-args" in script_args:
+        return
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--use-distributed-optimizer", action="store_true")
+    parser.add_argument("--optimizer", default="adam")
+    parser.add_argument("--optimizer-cpu-offload", action="store_true")
+    parser.add_argument("--use-torch-fsdp2", action="store_true")
+    parser.add_argument("--use-megatron-fsdp", action="store_true")
+    add_mlp_offload_args(parser)
+    try:
+        args, _ = parser.parse_known_args(script_args)
+    except SystemExit as exc:  # argparse already printed which flag; keep its status
+        raise ConfigError("invalid --mlp-offload* argument (see the message above)") from exc
+    config_from_args(args)
+
+
+def run_script(script: str, script_args: list[str]) -> None:
+    """Run ``script`` as ``python script args`` would, in this process."""
+    script = os.path.abspath(script)
+    sys.argv = [script] + list(script_args)
+    sys.path.insert(0, os.path.dirname(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") and len(argv) == 1:
+        print(USAGE + "\n\n" + __doc__)
+        return 0 if argv else 2
+    script, script_args = argv[0], argv[1:]
+    if not os.path.isfile(script):
+        print(f"megatron_mlp.launch: {script}: no such script (give the path to Megatron-LM's "
+              f"pretrain_gpt.py or another pretrain script)\n{USAGE}", file=sys.stderr)
+        return 2
+    # The checkout's `megatron` package must win over an installed megatron-core, before
+    # anything (the CPU harness included) imports megatron: put the script dir first now.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        preflight(script_args)
+    except ConfigError as exc:
+        print(f"megatron_mlp.launch: {exc}", file=sys.stderr)
+        return 2
+    from megatron_mlp.megatron import hooks
+
+    hooks.install([script] + script_args)
+    sys.path.pop(0)  # run_script puts it back exactly where Python would
+    run_script(script, script_args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,343 @@
+"""The ``--mlp-offload*`` flags of Megatron-LM's pretrain scripts, and args -> MLPOffloadConfig.
+
+``add_mlp_offload_args(parser)`` has the signature of Megatron's ``extra_args_provider``; the
+launcher and the patch add it to Megatron's own parser, so the flags appear in ``--help`` and are
+saved with the other arguments in every checkpoint. ``config_from_args(args)`` is the one place
+where the parsed namespace becomes the frozen :class:`MLPOffloadConfig`; every error it raises
+names the flag and the value.
+
+Every flag maps onto one field of ``MLPOffloadConfig`` except two launch switches:
+``--mlp-offload`` (no config at all when it is off) and ``--mlp-offload-cpu`` (installs the CPU
+harness before Megatron is imported, so it is read from ``sys.argv`` by the launcher).
+
+``python -m megatron_mlp.megatron.arguments > docs/flags.md`` regenerates the flag reference.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+
+from megatron_mlp.config import BACKENDS, ORDER_POLICIES, MLPOffloadConfig
+from megatron_mlp.errors import ConfigError
+from megatron_mlp.tier.spec import parse_size, parse_tier_paths
+
+GROUP_TITLE = "MLP-Offload"
+ENV_CPU = "MLP_OFFLOAD_CPU"
+
+_COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMbBgG]?)\s*$")
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
+
+
+def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--mlp-offload*`` flags to ``parser`` (Megatron's ``extra_args_provider``).
+
+    Args:
+        parser: Megatron's argument parser (any ``argparse.ArgumentParser``).
+    Returns:
+        The same parser, as Megatron's ``extra_args_provider`` contract requires.
+    """
+    if any(a.dest == "mlp_offload" for a in parser._actions):
+        return parser  # already added (launcher and patch both active): adding twice would raise
+    g = parser.add_argument_group(title=GROUP_TITLE)
+    g.add_argument("--mlp-offload", action="store_true", default=False,
+                   help="Keep the distributed optimizer's fp32 state (params, Adam m and v) on a virtual "
+                        "tier (host cache + storage paths) and update it with a fused CPU Adam. "
+                        "Needs --use-distributed-optimizer and --optimizer adam.")
+    g.add_argument("--mlp-offload-paths", type=str, default=None, metavar="PATH[:OPTS][;PATH...]",
+                   help="Storage paths of the virtual tier, ';'-separated, fastest first. Options after ':' "
+                        "as key=value: bw (read and write), read_bw, write_bw, cap, qos (a bandwidth cap), "
+                        "rw=shared|separate (do reads and writes share one limit), "
+                        "e.g. '/nvme/x:bw=6GB/s;/lustre/x:cap=2TB,qos=1GB/s'. $VARS are expanded in each "
+                        "process ($RANK, $LOCAL_RANK, $SLURM_JOB_ID). Required with --mlp-offload.")
+    g.add_argument("--mlp-offload-subgroup-size", type=str, default="100M", metavar="N",
+                   help="Parameters per subgroup, the unit streamed through host memory "
+                        "(12 bytes of fp32 state each). Accepts 100M, 1.5B, 25000000.")
+    g.add_argument("--mlp-offload-host-cache", type=str, default="0", metavar="SIZE",
+                   help="Host memory per rank that keeps subgroups' state between steps "
+                        "(e.g. 8GB, 16GiB; 0 = no cache).")
+    g.add_argument("--mlp-offload-prefetch-depth", type=int, default=2, metavar="N",
+                   help="Subgroups fetched from storage ahead of the one being updated.")
+    g.add_argument("--mlp-offload-flush-depth", type=int, default=1, metavar="N",
+                   help="Updated subgroups whose write-back to storage may be in flight at once. Host memory "
+                        "per rank: host cache + (prefetch depth + flush depth + 1) subgroup buffers.")
+    g.add_argument("--mlp-offload-tokens-per-tier", type=int, default=1, metavar="N",
+                   help="Processes of one node that may do I/O on one physical tier at a time.")
+    g.add_argument("--mlp-offload-order", type=str, default="alternate", choices=ORDER_POLICIES,
+                   help="Subgroup order: 'alternate' (ascending, then descending, so the subgroups "
+                        "updated last are still cached) or 'ascending'.")
+    g.add_argument("--mlp-offload-io-backend", type=str, default="auto", choices=BACKENDS,
+                   help="I/O backend: 'auto' picks io_uring where the kernel allows it, else threads.")
+    g.add_argument("--mlp-offload-io-block-size", type=str, default="1MiB", metavar="SIZE",
+                   help="Bytes per I/O task, a multiple of 4096 (e.g. 1MiB, 2MiB).")
+    g.add_argument("--mlp-offload-io-queue-depth", type=int, default=8, metavar="N",
+                   help="I/O tasks in flight per engine.")
+    g.add_argument("--mlp-offload-io-threads", type=int, default=4, metavar="N",
+                   help="Worker threads of the thread-pool I/O backend.")
+    g.add_argument("--mlp-offload-calibration", type=str, default="auto", metavar="auto|off|FILE",
+                   help="Tier bandwidths: 'auto' measures once per node and caches the result "
+                        "(megatron-mlp calibrate), 'off' uses bw= options or equal shares, "
+                        "or a JSON file written by megatron-mlp calibrate.")
+    g.add_argument("--mlp-offload-runtime-dir", type=str, default=None, metavar="DIR",
+                   help="Directory of the node-level tier token files, shared by the ranks of a node "
+                        "(default: a per-user directory chosen by the tier layer).")
+    g.add_argument("--mlp-offload-job-id", type=str, default=None, metavar="ID",
+                   help="Names this job's scratch directories on the tiers (<path>/...<ID>-r<rank>-...). "
+                        "Default: $SLURM_JOB_ID, $PBS_JOBID or torchrun's $TORCHELASTIC_RUN_ID, else 'job'.")
+    g.add_argument("--mlp-offload-no-checksum", dest="mlp_offload_checksum", action="store_false",
+                   default=True,
+                   help="Do not verify a checksum of every subgroup read back from storage.")
+    g.add_argument("--mlp-offload-no-multipath", dest="mlp_offload_multipath", action="store_false",
+                   default=True,
+                   help="Ablation: place all optimizer state on the first path only.")
+    g.add_argument("--mlp-offload-no-tier-tokens", dest="mlp_offload_tier_tokens", action="store_false",
+                   default=True,
+                   help="Ablation: no node-level concurrency control; every rank does I/O at once.")
+    g.add_argument("--mlp-offload-no-cache-order", dest="mlp_offload_cache_order", action="store_false",
+                   default=True,
+                   help="Ablation: always ascending order, no reuse of the host cache across steps.")
+    g.add_argument("--mlp-offload-no-deferred-upcast", dest="mlp_offload_deferred_upcast",
+                   action="store_false", default=True,
+                   help="Ablation: convert gradients to fp32 in memory before the update "
+                        "(as ZeRO-3 does) instead of upcasting inside the Adam kernel.")
+    g.add_argument("--mlp-offload-cpu", action="store_true", default=False,
+                   help=f"Smoke runs without a GPU: map CUDA onto the CPU (gloo) before Megatron is "
+                        f"imported. Same as {ENV_CPU}=1. Use with --transformer-impl local --mock-data "
+                        f"--distributed-backend gloo --use-cpu-initialization.")
+    return parser
+
+
+def parse_count(text, flag: str) -> int:
+    """Parse a parameter count such as '100M', '1.5B', '2.5e7' or 25000000."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = _COUNT_RE.match(str(text))
+    if not m:
+        raise ConfigError(f"{flag}: cannot parse parameter count {text!r} (examples: 100M, 1.5B, 25000000)")
+    value = float(m.group(1)) * _COUNT_UNITS[m.group(2).lower()]
+    if value != int(value):
+        raise ConfigError(f"{flag}: {text!r} is not a whole number of parameters")
+    return int(value)
+
+
+def _size(args, dest: str, flag: str) -> int:
+    value = getattr(args, dest)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return parse_size(str(value), flag)
+
+
+def _check_megatron_args(args) -> None:
+    """The Megatron settings MLP-Offload relies on; errors name Megatron's flag."""
+    if not getattr(args, "use_distributed_optimizer", False):
+        raise ConfigError("--mlp-offload needs --use-distributed-optimizer (the optimizer state it "
+                          "offloads is the distributed optimizer's shard); add --use-distributed-optimizer")
+    optimizer = getattr(args, "optimizer", "adam")
+    if optimizer != "adam":
+        raise ConfigError(f"--mlp-offload needs --optimizer adam (got --optimizer {optimizer}); "
+                          "the offloaded update is a fused Adam/AdamW")
+    if getattr(args, "optimizer_cpu_offload", False):
+        raise ConfigError("--mlp-offload and --optimizer-cpu-offload both move the optimizer off the GPU; "
+                          "use only one of them")
+    for dest, flag in (("use_torch_fsdp2", "--use-torch-fsdp2"), ("use_megatron_fsdp", "--use-megatron-fsdp"),
+                       ("use_custom_fsdp", "--use-custom-fsdp")):
+        if getattr(args, dest, False):
+            raise ConfigError(f"--mlp-offload works with the distributed optimizer, not with {flag}")
+
+
+def _check_calibration(value: str) -> str:
+    if value in ("auto", "off"):
+        return value
+    path = os.path.expanduser(os.path.expandvars(value))
+    if not os.path.isfile(path):
+        raise ConfigError(f"--mlp-offload-calibration: {value!r} is neither 'auto', 'off' nor an existing "
+                          "JSON file (write one with: megatron-mlp calibrate --paths ... -o FILE)")
+    return path
+
+
+def config_from_args(args) -> MLPOffloadConfig | None:
+    """Build the frozen config from Megatron's parsed arguments.
+
+    Args:
+        args: the namespace from Megatron's parser (``megatron.training.get_args()``) with the
+            flags of :func:`add_mlp_offload_args`.
+    Returns:
+        ``None`` when ``--mlp-offload`` is off, else the validated :class:`MLPOffloadConfig`.
+    Raises:
+        ConfigError: a flag's value is invalid or a Megatron flag MLP-Offload needs is missing;
+            the message names the flag and the value.
+    """
+    if not getattr(args, "mlp_offload", False):
+        return None
+    _check_megatron_args(args)
+    if not getattr(args, "mlp_offload_paths", None):
+        raise ConfigError("--mlp-offload-paths: required with --mlp-offload; give the storage paths of the "
+                          "virtual tier, e.g. --mlp-offload-paths '/local/nvme/$USER;/lustre/scratch/$USER'")
+    tiers = parse_tier_paths(args.mlp_offload_paths, flag="--mlp-offload-paths")
+    runtime_dir = args.mlp_offload_runtime_dir
+    if runtime_dir is not None:
+        runtime_dir = os.path.expanduser(os.path.expandvars(runtime_dir))
+    return MLPOffloadConfig(
+        tiers=tiers,
+        subgroup_params=parse_count(args.mlp_offload_subgroup_size, "--mlp-offload-subgroup-size"),
+        host_cache_bytes=_size(args, "mlp_offload_host_cache", "--mlp-offload-host-cache"),
+        prefetch_depth=args.mlp_offload_prefetch_depth,
+        flush_depth=args.mlp_offload_flush_depth,
+        tokens_per_tier=args.mlp_offload_tokens_per_tier,
+        order=args.mlp_offload_order,
+        backend=args.mlp_offload_io_backend,
+        block_bytes=_size(args, "mlp_offload_io_block_size", "--mlp-offload-io-block-size"),
+        queue_depth=args.mlp_offload_io_queue_depth,
+        io_threads=args.mlp_offload_io_threads,
+        calibration=_check_calibration(args.mlp_offload_calibration),
+        runtime_dir=runtime_dir,
+        checksum=args.mlp_offload_checksum,
+        multipath=args.mlp_offload_multipath,
+        use_tokens=args.mlp_offload_tier_tokens,
+        cache_order=args.mlp_offload_cache_order,
+        deferred_upcast=args.mlp_offload_deferred_upcast,
+        extra={"job_id": _job_id(args.mlp_offload_job_id)},
+    )
+
+
+_JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.+-]{1,64}$")
+JOB_ID_ENV = ("SLURM_JOB_ID", "PBS_JOBID", "TORCHELASTIC_RUN_ID")
+
+
+def _job_id(value: str | None, environ=None) -> str:
+    """The job id naming scratch directories: the flag, else the scheduler's, else 'job'."""
+    environ = os.environ if environ is None else environ
+    if value is None:
+        value = next((environ[k] for k in JOB_ID_ENV if environ.get(k)), "job")
+        value = re.sub(r"[^A-Za-z0-9_.+-]", "_", value)[:64]  # PBS ids carry a host name
+    if not _JOB_ID_RE.match(value):
+        raise ConfigError(f"--mlp-offload-job-id: {value!r} must be 1-64 characters of A-Z a-z 0-9 _ . + - "
+                          "(it becomes part of a directory name)")
+    return value
+
+
+def calibrated_config(config: MLPOffloadConfig, cache_path: str | None = None,
+                      measure=None) -> tuple[MLPOffloadConfig, list[str]]:
+    """Fill in each tier's bandwidth from calibration (``--mlp-offload-calibration``).
+
+    'off' leaves the declared ``bw=`` options (placement then uses equal defaults elsewhere);
+    'auto' measures once per node and path, cached (concurrent ranks wait for one measurement);
+    a file gives figures measured earlier (``megatron-mlp calibrate --cache FILE``). From a file, a
+    calibration of a parent directory on the same device counts for a path below it, so a per-job
+    scratch directory uses the figures of the node's NVMe measured by an earlier job.
+    Declared figures always win over measured ones.
+
+    Returns:
+        (config with bandwidths filled in, notes to print once)
+    Raises:
+        ConfigError: the calibration file does not exist or is not a calibration file.
+    """
+    if config.calibration == "off":
+        return config, []
+    from megatron_mlp.tier.calibration import calibrations_for, resolve_bandwidth
+
+    cals, notes = calibrations_for(config.tiers, config.calibration, cache_path=cache_path, measure=measure)
+    tiers = []
+    for spec, cal in zip(config.tiers, cals):
+        if cal is None and config.calibration != "auto":
+            cal = _ancestor_calibration(config.calibration, spec.path)
+        if cal is None:
+            notes.append(f"--mlp-offload-calibration: no figures for {spec.path}; using its declared bandwidth "
+                         "or the default assumption")
+            tiers.append(spec)
+            continue
+        bw = resolve_bandwidth(spec, cal)
+        tiers.append(dataclasses.replace(spec, read_bytes_per_s=bw.read_bytes_per_s,
+                                         write_bytes_per_s=bw.write_bytes_per_s,
+                                         shared_rw_limit=bw.shared_rw_limit))
+    return config.replace(tiers=tuple(tiers)), notes
+
+
+def _ancestor_calibration(file_path: str, path: str):
+    """The file's calibration of the nearest parent directory of ``path`` on the same device."""
+    from megatron_mlp.tier.calibration import PathCalibration, load_cache
+    from megatron_mlp.tier.device import device_info
+
+    info = device_info(path)
+    best = None
+    for entry in load_cache(file_path).values():
+        if not isinstance(entry, dict):
+            continue
+        root = entry.get("realpath", "")
+        if entry.get("st_dev") != info.st_dev or not root:
+            continue
+        if info.realpath == root or info.realpath.startswith(root.rstrip("/") + "/"):
+            if best is None or len(root) > len(best["realpath"]):
+                best = entry
+    return PathCalibration.from_dict(best) if best else None
+
+
+def cpu_requested(argv: list[str] | None = None, environ=None) -> bool:
+    """Whether ``--mlp-offload-cpu`` is on the command line or ``MLP_OFFLOAD_CPU=1`` is set.
+
+    Read before Megatron parses its arguments: the harness must be in place before import.
+    """
+    argv = sys.argv if argv is None else argv
+    environ = os.environ if environ is None else environ
+    return "--mlp-offload-cpu" in argv or environ.get(ENV_CPU, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def flag_table(parser: argparse.ArgumentParser | None = None) -> list[tuple[str, str, str]]:
+    """(flag, default, help) for every ``--mlp-offload*`` flag, in the order they were added."""
+    if parser is None:
+        parser = add_mlp_offload_args(argparse.ArgumentParser(add_help=False))
+    rows = []
+    for action in parser._actions:
+        flags = [s for s in action.option_strings if s.startswith("--mlp-offload")]
+        if not flags:
+            continue
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            default = "off"
+        elif action.default is None:
+            default = "(none)"
+        else:
+            default = f"`{action.default}`"
+        help_text = action.help or ""
+        if action.choices:
+            help_text += " Choices: " + ", ".join(f"`{c}`" for c in action.choices) + "."
+        rows.append((flags[0], default, help_text))
+    return rows
+
+
+def render_flags_markdown() -> str:
+    """The text of docs/flags.md, generated from the parser (a test keeps the doc in sync)."""
+    lines = [
+        "# MLP-Offload flags",
+        "",
+        "Added to Megatron-LM's own parser by `python -m megatron_mlp.launch` or by the one-line patch",
+        "(`patches/megatron-lm/`), so they appear in `pretrain_gpt.py --help` and are saved with the other",
+        "arguments in checkpoints. Sizes accept `4096`, `8GB`, `1.5GiB`; parameter counts accept `100M`, `1.5B`.",
+        "Every value is validated when the optimizer is built; an error names the flag and the value.",
+        "Switches marked *ablation* turn one design principle off, to measure what it buys.",
+        "",
+        "Generated by `python -m megatron_mlp.megatron.arguments > docs/flags.md`; "
+        "`tests/unit/test_arguments.py` fails when this page and the parser disagree.",
+        "",
+        "| flag | default | meaning |",
+        "|---|---|---|",
+    ]
+    for flag, default, help_text in flag_table():
+        lines.append(f"| `{flag}` | {default} | {help_text.replace('|', '&#124;')} |")
+    lines += [
+        "",
+        "Megatron flags MLP-Offload requires: `--use-distributed-optimizer` and `--optimizer adam` (the default).",
+        "It cannot be combined with `--optimizer-cpu-offload` or the FSDP flags.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.stdout.write(render_flags_markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Hooks that make an unmodified Megatron-LM pretrain script use MLP-Offload.
+
+Three names, verified stable from core_r0.13.0 to main (see DESIGN.md):
+
+* ``megatron.training.arguments.add_megatron_arguments`` -- wrapped to add the ``--mlp-offload*``
+  flags to Megatron's own parser (``pretrain()``'s signature changed in 0.18, this did not);
+* ``megatron.training.training.get_megatron_optimizer`` -- imported by name there; wrapped so the
+  factory builds ``MLPOffloadDistributedOptimizer`` when ``--mlp-offload`` is on (all arguments
+  are passed through: the signature changed in 0.16);
+* ``megatron.training.training.training_log`` -- wrapped to print our timers, which Megatron's
+  hard-coded timer list does not know.
+
+``python -m megatron_mlp.launch`` calls :func:`install`; so does the one line a patched
+``pretrain_gpt.py`` carries (``import megatron_mlp.megatron.hooks as _mlp_offload; _mlp_offload.install()``).
+Installing twice is harmless (launcher on a patched checkout). With ``--mlp-offload-cpu`` or ``MLP_OFFLOAD_CPU=1`` the CPU harness
+is installed first, before Megatron is imported.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+
+from megatron_mlp.megatron.arguments import (add_mlp_offload_args, calibrated_config, config_from_args,
+                                             cpu_requested)
+
+TIMER_PREFIX = "optimizer-mlp-offload"
+_MARK = "__mlp_offload_hook__"
+
+
+def _mark(fn):
+    setattr(fn, _MARK, True)
+    return fn
+
+
+def _hooked(fn) -> bool:
+    return getattr(fn, _MARK, False)
+
+
+def wrap_add_megatron_arguments(add_megatron_arguments):
+    """Megatron's parser builder, with the ``--mlp-offload*`` flags added after Megatron's own."""
+    if _hooked(add_megatron_arguments):
+        return add_megatron_arguments
+
+    @functools.wraps(add_megatron_arguments)
+    def hooked(parser, *args, **kwargs):
+        parser = add_megatron_arguments(parser, *args, **kwargs)
+        return add_mlp_offload_args(parser)
+
+    return _mark(hooked)
+
+
+def wrap_get_megatron_optimizer(get_megatron_optimizer, get_args):
+    """Megatron's optimizer factory; with ``--mlp-offload`` it builds MLP-Offload's optimizer.
+
+    The config is built from Megatron's parsed arguments when the factory runs (the arguments
+    exist by then), with tier bandwidths from calibration; with ``--mlp-offload`` off the original
+    runs untouched.
+    """
+    if _hooked(get_megatron_optimizer):
+        return get_megatron_optimizer
+
+    @functools.wraps(get_megatron_optimizer)
+    def hooked(*args, **kwargs):
+        config = config_from_args(get_args())
+        if config is None:
+            return get_megatron_optimizer(*args, **kwargs)
+        config, notes = calibrated_config(config)
+        for note in notes:
+            _print_rank_0(f"megatron_mlp: {note}")
+        from megatron_mlp.megatron import factory  # the optimizer and its factory hook
+
+        return factory.wrap_get_megatron_optimizer(get_megatron_optimizer, config)(*args, **kwargs)
+
+    return _mark(hooked)
+
+
+def _print_rank_0(message: str) -> None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            return
+    except ImportError:
+        pass
+    print(message, flush=True)
+
+
+def offload_timer_names(timers) -> list[str]:
+    """Names of MLP-Offload's timers registered on this rank, sorted (every rank has the same set:
+    they are created by the same optimizer code on every data-parallel rank)."""
+    return sorted(name for name in getattr(timers, "_timers", {}) if name.startswith(TIMER_PREFIX))
+
+
+def wrap_training_log(training_log, get_args, get_timers):
+    """Megatron's per-iteration log, followed by our timers every ``--log-interval`` iterations.
+
+    Megatron prints a hard-coded list of timers; ours (``optimizer-mlp-offload-*``, registered at
+    ``--timing-log-level 2``) are printed the same way, normalized by the log interval, and reset.
+    ``Timers.log`` gathers from all ranks: every rank calls this at the same iterations.
+    """
+    if _hooked(training_log):
+        return training_log
+
+    @functools.wraps(training_log)
+    def hooked(*args, **kwargs):
+        result = training_log(*args, **kwargs)
+        margs = get_args()
+        iteration = getattr(margs, "curr_iteration", None)
+        interval = getattr(margs, "log_interval", None)
+        if getattr(margs, "mlp_offload", False) and iteration and interval and iteration % interval == 0:
+            timers = get_timers()
+            names = offload_timer_names(timers)
+            if names:
+                timers.log(names, normalizer=interval)
+        return result
+
+    return _mark(hooked)
+
+
+def install(argv: list[str] | None = None) -> None:
+    """Apply the hooks to Megatron-LM's modules (idempotent).
+
+    Args:
+        argv: the command line to look for ``--mlp-offload-cpu`` (default ``sys.argv``).
+    """
+    if cpu_requested(argv):
+        from megatron_mlp.megatron import cpu_launch
+
+        cpu_launch.install()
+    from megatron.training import arguments as margs_module
+    from megatron.training import global_vars
+    from megatron.training import training as training_module
+
+    margs_module.add_megatron_arguments = wrap_add_megatron_arguments(margs_module.add_megatron_arguments)
+    training_module.get_megatron_optimizer = wrap_get_megatron_optimizer(
+        training_module.get_megatron_optimizer, global_vars.get_args)
+    training_module.training_log = wrap_training_log(
+        training_module.training_log, global_vars.get_args, global_vars.get_timers)
+
+
+def installed() -> bool:
+    """Whether Megatron-LM's modules carry the hooks."""
+    training_module = sys.modules.get("megatron.training.training")
+    margs_module = sys.modules.get("megatron.training.arguments")
+    return bool(training_module and margs_module
+                and _hooked(margs_module.add_megatron_arguments)
+                and _hooked(training_module.get_megatron_optimizer))

@@ -1,0 +1,100 @@
+"""End to end: Megatron-LM's own pretrain_gpt.py with --mlp-offload on CPU (gloo), DP=2.
+
+Needs a Megatron-LM checkout (core_r0.13.0 ... main) in MEGATRON_LM_PATH and the packages its
+training imports (see docs/usage.md, "CPU smoke run"); CI has no checkout, so this is skipped
+there. Never vendors Megatron-LM code: the patched variant copies only pretrain_gpt.py into a
+temporary directory whose other entries link to the checkout.
+
+Checks, for the zero-edit launcher and for the patched script: a few iterations train with our
+optimizer, our timers are logged, --save writes a checkpoint, --load resumes it, and the resumed
+iterations match an uninterrupted run of our optimizer (grad norms of every resumed iteration,
+losses except the second after --load, whose *logged* value Megatron-LM >= 0.16 computes
+differently after a load even for stock checkpoints), and the tier scratch is removed at exit.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
+
+pytestmark = pytest.mark.skipif(
+    not MEGATRON_LM_PATH or not os.path.isfile(os.path.join(MEGATRON_LM_PATH or "", "pretrain_gpt.py")),
+    reason="MEGATRON_LM_PATH is not set to a Megatron-LM checkout (CI has none; see docs/usage.md)")
+
+TINY_GPT = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+    "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
+    "--lr-warmup-iters 1 --train-iters 8 --bf16 --vocab-size 256 --tokenizer-type NullTokenizer --mock-data "
+    "--split 99,1,0 --transformer-impl local --distributed-backend gloo --use-cpu-initialization "
+    "--no-gradient-accumulation-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion "
+    "--no-masked-softmax-fusion --no-persist-layer-norm --no-rope-fusion --hidden-dropout 0 "
+    "--attention-dropout 0 --use-distributed-optimizer --log-interval 1 --eval-iters 0 --eval-interval 1000 "
+    "--timing-log-level 2 --seed 1234").split()
+ITER_RE = re.compile(r"iteration +(\d+)/ *\d+ .*lm loss: ([0-9.E+-]+) .*grad norm: ([0-9.]+)")
+
+
+def _torchrun(script: str, args: list[str], tmp: Path, launcher: bool) -> tuple[str, dict[int, tuple[str, str]]]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531"]
+    cmd += ["-m", "megatron_mlp.launch", script] if launcher else [script]
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd + TINY_GPT + args, cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    return out, {int(m.group(1)): (m.group(2), m.group(3)) for m in ITER_RE.finditer(out)}
+
+
+def _tiers(tmp: Path) -> tuple[Path, Path]:
+    a, b = tmp / "tier-a", tmp / "tier-b"
+    a.mkdir(exist_ok=True)
+    b.mkdir(exist_ok=True)
+    return a, b
+
+
+def _offload_args(tmp: Path) -> list[str]:
+    a, b = _tiers(tmp)
+    return ["--mlp-offload", "--mlp-offload-cpu", "--mlp-offload-paths", f"{a};{b}",
+            "--mlp-offload-subgroup-size", "20000", "--mlp-offload-calibration", "off"]
+
+
+def _save_resume_and_compare(script: str, tmp: Path, launcher: bool) -> None:
+    ckpt = tmp / "ckpt"
+    offload = _offload_args(tmp)
+    _, full = _torchrun(script, offload, tmp, launcher)
+    first_out, first = _torchrun(script, offload + ["--save", str(ckpt), "--save-interval", "4",
+                                                    "--exit-interval", "4"], tmp, launcher)
+    assert sorted(first) == [1, 2, 3, 4]
+    assert "optimizer-mlp-offload-update" in first_out, "our timers must be in the training log"
+    assert "successfully saved checkpoint from iteration       4" in first_out
+    resume_out, resumed = _torchrun(script, offload + ["--load", str(ckpt)], tmp, launcher)
+    assert "successfully loaded checkpoint" in resume_out and sorted(resumed) == [5, 6, 7, 8]
+    assert {i: first[i] for i in first} == {i: full[i] for i in first}
+    assert {i: resumed[i][1] for i in resumed} == {i: full[i][1] for i in resumed}, "grad norms after resume"
+    assert {i: resumed[i][0] for i in (5, 7, 8)} == {i: full[i][0] for i in (5, 7, 8)}, "losses after resume"
+    for tier in _tiers(tmp):
+        assert not any(tier.iterdir()), f"scratch left in {tier}"
+
+
+def test_launcher_trains_logs_timers_saves_and_resumes_unmodified_checkout(tmp_path):
+    _save_resume_and_compare(os.path.join(MEGATRON_LM_PATH, "pretrain_gpt.py"), tmp_path, launcher=True)
+
+
+def test_patched_pretrain_gpt_trains_saves_and_resumes(tmp_path):
+    # A view of the checkout: every entry links to it except pretrain_gpt.py, which is patched.
+    view = tmp_path / "Megatron-LM"
+    view.mkdir()
+    for entry in os.listdir(MEGATRON_LM_PATH):
+        if entry != "pretrain_gpt.py":
+            (view / entry).symlink_to(os.path.join(MEGATRON_LM_PATH, entry))
+    (view / "pretrain_gpt.py").write_text(Path(MEGATRON_LM_PATH, "pretrain_gpt.py").read_text())
+    applied = subprocess.run(["bash", str(REPO / "scripts" / "apply_megatron_patch.sh"), str(view)],
+                             capture_output=True, text=True)
+    assert applied.returncode == 0, applied.stderr
+    _save_resume_and_compare(str(view / "pretrain_gpt.py"), tmp_path, launcher=False)

@@ -1,0 +1,217 @@
+"""The zero-edit launcher and its hooks, against a fake Megatron-LM checkout made in the test.
+
+The fake checkout has the three names the hooks wrap (add_megatron_arguments, the by-name import
+of get_megatron_optimizer in megatron.training.training, training_log), with the call pattern of
+Megatron-LM core_r0.13..main; its pretrain_gpt.py reports what it saw as JSON. The optimizer
+factory of megatron_mlp is replaced by a recorder inside the fake script, so this tests the
+wiring, not the optimizer (tests/integration/test_pretrain_gpt_e2e.py runs the real thing).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megatron_mlp.megatron import hooks
+
+REPO = Path(__file__).resolve().parents[2]
+
+FAKE_FILES = {
+    "megatron/__init__.py": "",
+    "megatron/training/__init__.py": "",
+    "megatron/training/global_vars.py": """
+        _ARGS = None
+        class Timers:
+            def __init__(self):
+                self._timers = {}
+                self.logged = []
+            def log(self, names, normalizer=1.0, reset=True, barrier=False):
+                self.logged.append((list(names), normalizer))
+        _TIMERS = Timers()
+        def set_args(a):
+            global _ARGS
+            _ARGS = a
+        def get_args():
+            return _ARGS
+        def get_timers():
+            return _TIMERS
+    """,
+    "megatron/training/arguments.py": """
+        import argparse
+        def add_megatron_arguments(parser):
+            parser.add_argument('--use-distributed-optimizer', action='store_true')
+            parser.add_argument('--optimizer', default='adam')
+            parser.add_argument('--log-interval', type=int, default=1)
+            return parser
+        def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+            parser = argparse.ArgumentParser(allow_abbrev=False)
+            parser = add_megatron_arguments(parser)   # looked up as a module global, as in Megatron
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            return parser.parse_args()
+    """,
+    "megatron/core_optimizer.py": """
+        def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
+            return {'built_by': 'stock', 'config': config, 'chunks': model_chunks, 'args': list(args),
+                    'kwargs': kwargs}
+    """,
+    "megatron/training/training.py": """
+        from megatron.core_optimizer import get_megatron_optimizer   # by name, as in Megatron
+        def training_log(loss_dict, iteration):
+            return 'megatron-log'
+        def setup_optimizer():
+            return get_megatron_optimizer('cfg', ['chunk'], 'pos3', no_weight_decay_cond=None)
+    """,
+    "pretrain_gpt.py": """
+        import json, os, sys, types
+        # Stand-in for megatron_mlp.megatron.factory: records what the hook hands it.
+        factory = types.ModuleType('megatron_mlp.megatron.factory')
+        def wrap_get_megatron_optimizer(orig, config):
+            def wrapped(*a, **k):
+                out = orig(*a, **k)
+                out['built_by'] = 'mlp-offload'
+                out['tiers'] = [t.path for t in config.tiers]
+                out['host_cache_bytes'] = config.host_cache_bytes
+                return out
+            return wrapped
+        factory.wrap_get_megatron_optimizer = wrap_get_megatron_optimizer
+        sys.modules['megatron_mlp.megatron.factory'] = factory
+        import megatron
+        from megatron.training import arguments, global_vars, training
+        if __name__ == '__main__':
+            args = arguments.parse_args()
+            global_vars.set_args(args)
+            args.curr_iteration = 2
+            args.log_interval = 2
+            timers = global_vars.get_timers()
+            timers._timers = {'optimizer-mlp-offload-update': 1, 'optimizer-mlp-offload-fetch-nvme': 1,
+                              'forward-backward': 1}
+            opt = training.setup_optimizer()
+            log = training.training_log({}, 2)
+            with open(os.environ['FAKE_OUT'], 'w') as f:
+                json.dump({'argv': sys.argv, 'path0': sys.path[0], 'megatron': megatron.__file__,
+                           'opt': opt, 'log': log, 'timers_logged': timers.logged,
+                           'mlp_offload': getattr(args, 'mlp_offload', None)}, f)
+    """,
+}
+
+
+@pytest.fixture
+def checkout(tmp_path):
+    root = tmp_path / "Megatron-LM"
+    for rel, text in FAKE_FILES.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root
+
+
+def _launch(checkout: Path, *args: str, env=None, cwd=None):
+    out = checkout.parent / "out.json"
+    full_env = dict(os.environ, PYTHONPATH=str(REPO), FAKE_OUT=str(out))
+    full_env.pop("MLP_OFFLOAD_CPU", None)
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, "-m", "megatron_mlp.launch", str(checkout / "pretrain_gpt.py"), *args],
+                          env=full_env, cwd=cwd or checkout.parent, capture_output=True, text=True, timeout=120)
+    result = json.loads(out.read_text()) if out.exists() else None
+    return proc, result
+
+
+def test_launcher_runs_script_as_python_would_with_flags_and_optimizer_hook(checkout):
+    proc, out = _launch(checkout, "--use-distributed-optimizer", "--mlp-offload",
+                        "--mlp-offload-paths", "/nvme/x;/pfs/y", "--mlp-offload-host-cache", "2GB")
+    assert proc.returncode == 0, proc.stderr
+    assert out["argv"][0] == str(checkout / "pretrain_gpt.py") and "--mlp-offload" in out["argv"]
+    assert out["path0"] == str(checkout)
+    assert out["megatron"] == str(checkout / "megatron" / "__init__.py"), "the checkout's megatron must win"
+    assert out["mlp_offload"] is True
+    opt = out["opt"]
+    assert opt["built_by"] == "mlp-offload" and opt["tiers"] == ["/nvme/x", "/pfs/y"]
+    assert opt["host_cache_bytes"] == 2 * 10**9
+    # every argument of Megatron's call reaches the factory untouched
+    assert (opt["config"], opt["chunks"], opt["args"], opt["kwargs"]) == ("cfg", ["chunk"], ["pos3"],
+                                                                          {"no_weight_decay_cond": None})
+
+
+def test_launcher_logs_offload_timers_every_log_interval(checkout):
+    proc, out = _launch(checkout, "--use-distributed-optimizer", "--mlp-offload", "--mlp-offload-paths", "/a")
+    assert proc.returncode == 0, proc.stderr
+    assert out["log"] == "megatron-log"
+    assert out["timers_logged"] == [[["optimizer-mlp-offload-fetch-nvme", "optimizer-mlp-offload-update"], 2]]
+
+
+def test_launcher_leaves_megatron_untouched_when_mlp_offload_is_off(checkout):
+    proc, out = _launch(checkout, "--use-distributed-optimizer")
+    assert proc.returncode == 0, proc.stderr
+    assert out["opt"]["built_by"] == "stock" and out["mlp_offload"] is False
+    assert out["timers_logged"] == []
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--use-distributed-optimizer", "--mlp-offload", "--mlp-offload-paths", "/a",
+      "--mlp-offload-host-cache", "lots"], "--mlp-offload-host-cache"),
+    (["--mlp-offload", "--mlp-offload-paths", "/a"], "--use-distributed-optimizer"),
+    (["--use-distributed-optimizer", "--mlp-offload"], "--mlp-offload-paths"),
+])
+def test_launcher_fails_fast_naming_the_flag_when_a_value_is_invalid(checkout, args, flag):
+    proc, out = _launch(checkout, *args)
+    assert proc.returncode == 2 and flag in proc.stderr and out is None, proc.stderr
+
+
+def test_launcher_explains_usage_when_script_is_missing(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megatron_mlp.launch", str(tmp_path / "nope.py")],
+                          env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True)
+    assert proc.returncode == 2 and "nope.py: no such script" in proc.stderr
+
+
+def test_hooks_are_idempotent_when_applied_twice():
+    def add(parser):
+        return parser
+    once = hooks.wrap_add_megatron_arguments(add)
+    assert hooks.wrap_add_megatron_arguments(once) is once
+    opt_once = hooks.wrap_get_megatron_optimizer(lambda: None, lambda: None)
+    assert hooks.wrap_get_megatron_optimizer(opt_once, lambda: None) is opt_once
+
+
+def test_training_log_hook_skips_timers_between_log_intervals():
+    class Timers:
+        _timers = {"optimizer-mlp-offload-update": 1}
+        logged = []
+
+        def log(self, names, normalizer=1.0):
+            self.logged.append(names)
+
+    class Args:
+        mlp_offload, log_interval, curr_iteration = True, 5, 3
+
+    timers = Timers()
+    wrapped = hooks.wrap_training_log(lambda *a, **k: "ok", lambda: Args, lambda: timers)
+    assert wrapped() == "ok" and timers.logged == []
+    Args.curr_iteration = 10
+    wrapped()
+    assert timers.logged == [["optimizer-mlp-offload-update"]]
+
+
+def test_cpu_switch_makes_cuda_calls_of_megatron_lm_run_on_cpu():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    code = textwrap.dedent("""
+        import torch
+        from megatron_mlp.megatron import cpu_launch
+        cpu_launch.install()
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 1
+        s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            t = torch.empty(4, device='cuda')
+        assert t.device.type == 'cpu'
+        torch.cuda.synchronize(); torch.cuda.set_device(0)
+        assert torch.equal(torch.cuda.get_rng_state(), torch.get_rng_state())
+        print('CPU-OK')
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "CPU-OK" in proc.stdout, proc.stderr[-3000:]
