@@ -48,6 +48,9 @@ class MLPOffloadConfig:
     """--mlp-offload-calibration: 'auto' (measure once per node, cached), 'off', or a JSON file."""
     runtime_dir: str | None = None
     """--mlp-offload-runtime-dir: where node-level tier token files live (default: a per-user dir)."""
+    io_timeout_s: float = 300.0
+    """--mlp-offload-io-timeout: seconds one tier request may take before it fails with ETIMEDOUT
+    (the tier is then taken out of service and its subgroups move elsewhere)."""
     checksum: bool = True
     """--mlp-offload-no-checksum clears it: verify a checksum of every subgroup read from storage."""
     # Ablation switches: each design principle can be turned off to measure what it buys.
@@ -72,6 +75,9 @@ class MLPOffloadConfig:
         _positive("--mlp-offload-tokens-per-tier", self.tokens_per_tier)
         _positive("--mlp-offload-io-queue-depth", self.queue_depth)
         _positive("--mlp-offload-io-threads", self.io_threads)
+        if isinstance(self.io_timeout_s, bool) or not isinstance(self.io_timeout_s, (int, float)) \
+                or not 0 < self.io_timeout_s < float("inf"):
+            raise ConfigError(f"--mlp-offload-io-timeout: {self.io_timeout_s!r} must be a positive number of seconds")
         if self.block_bytes <= 0 or self.block_bytes % 4096:
             raise ConfigError(
                 f"--mlp-offload-io-block-size: {self.block_bytes} must be a positive multiple of 4096 bytes")
