@@ -94,9 +94,8 @@ def take_out_of_service(opt, stores_and_reasons) -> None:
                f"{in_host} kept in host memory")
         opt.failover.events.append(msg)
         logger.warning("MLP-Offload failover: %s", msg)
-        if not unreadable and not any(opt.tier_of[i] == store.index and i not in opt._pinned
-                                      for i in range(len(opt.tier_of))):
-            _retire(store)
+        if not any(t == store.index for t in opt.tier_of):
+            opt._retiring.append(_retire(store))   # everything moved; kept otherwise (its good slots are a fallback)
     if held_over_budget or unreadable:
         failed = ", ".join(t["path"] for t in opt.failover.failed_tiers)
         parts = []
@@ -152,10 +151,12 @@ def _place(opt, sg, buf, queue):
     return None
 
 
-def _retire(store) -> None:
-    """Close a failed tier in the background: a hung device must not hold up training."""
-    threading.Thread(target=_close_quietly, args=(store,), name=f"mlp-retire-tier{store.index}",
-                     daemon=True).start()
+def _retire(store) -> threading.Thread:
+    """Close a failed tier in the background: a hung device must not hold up training
+    (``OffloadAdam.close`` waits for it, at most one I/O timeout)."""
+    t = threading.Thread(target=_close_quietly, args=(store,), name=f"mlp-retire-tier{store.index}", daemon=True)
+    t.start()
+    return t
 
 
 def _close_quietly(store) -> None:

@@ -93,6 +93,7 @@ class OffloadAdam:
         self._pinned: set[int] = set()      # subgroups kept in host memory for good (failover)
         self._cache_keep: set[int] = set()  # the cached subgroups of the last step
         self._halted: TierFailure | None = None
+        self._retiring: list = []           # threads closing failed tiers
         self.stale_scratch = _clean_stale_scratch(config.tiers)
         self.stores: list[TierStore] = []
         self._finalizer = weakref.finalize(self, _close_stores, self.stores)
@@ -299,6 +300,8 @@ class OffloadAdam:
         if self._closed:
             return
         self._closed = True
+        for t in self._retiring:
+            t.join(self.config.io_timeout_s)
         self._finalizer()
         self._resident.clear()
         self.pool.trim()          # give the host memory back now, not at garbage collection

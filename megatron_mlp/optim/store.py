@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from megatron_mlp.errors import IntegrityError, TierCapacityError, TierIOError
 from megatron_mlp.optim.stats import TierStepStats
 from megatron_mlp.optim.subgroups import Subgroup
-from megatron_mlp.tier.scratch import SCRATCH_PREFIX, create_scratch_dir  # noqa: F401 (re-exported)
+from megatron_mlp.tier.scratch import SCRATCH_PREFIX, create_scratch_dir, reserve_space  # noqa: F401
 
 STATE_FILE = "state.bin"
 logger = logging.getLogger("megatron_mlp.optim.store")
@@ -113,6 +113,15 @@ class TierStore:
             file_path = scratch_dir.file(STATE_FILE)                                           # 0600, O_EXCL|O_NOFOLLOW
         except OSError as e:
             raise TierIOError(e.errno, "--mlp-offload-paths: cannot create scratch state file", spec.path) from e
+        try:
+            # Both slots of every subgroup, allocated now: a device filling up later (another
+            # job) cannot fail a flush with ENOSPC where the file system supports fallocate.
+            reserve_space(file_path, need)
+        except OSError as e:
+            scratch_dir.remove()
+            raise TierCapacityError(
+                f"--mlp-offload-paths: tier {spec.path} cannot reserve {need} bytes for {len(subgroups)} "
+                f"subgroups (two slots each): {e.strerror}; free space or lower the share of this path") from e
         engine = engine_factory(spec)
         handle = engine.open(file_path, create=False, direct=True)
         st = os.stat(file_path)

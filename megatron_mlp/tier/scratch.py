@@ -53,6 +53,34 @@ def create_private_file(path: str, mode: int = 0o600) -> int:
     return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
 
 
+def reserve_space(path: str, nbytes: int) -> bool:
+    """Allocate ``nbytes`` for the file at ``path`` now (fallocate(2), size unchanged semantics aside),
+    so a device that fills up later cannot fail our writes with ENOSPC.
+
+    Returns False where the file system does not support it (no emulation by writing zeros:
+    that would be slow on a parallel file system). Raises OSError (ENOSPC) when the space is not there.
+    """
+    import ctypes
+    import ctypes.util
+    if nbytes <= 0:
+        return True
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    fn = getattr(libc, "fallocate64", None) or getattr(libc, "fallocate", None)
+    if fn is None:
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if fn(fd, 0, 0, nbytes) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return False
+        raise OSError(err, f"reserving {nbytes} bytes: {os.strerror(err)}", path)
+    finally:
+        os.close(fd)
+
+
 class ScratchDir:
     """One rank's private scratch directory on a tier, locked for the owner's lifetime."""
 
