@@ -95,6 +95,8 @@ class OffloadAdam:
         self._halted: TierFailure | None = None
         self._retiring: list = []           # threads closing failed tiers
         self.stale_scratch = _clean_stale_scratch(config.tiers)
+        from megatron_mlp.tier.scratch import install_sigterm_cleanup
+        install_sigterm_cleanup()   # SIGTERM with no handler of its own removes the scratch; chains otherwise
         self.stores: list[TierStore] = []
         self._finalizer = weakref.finalize(self, _close_stores, self.stores)
         for t, spec in enumerate(config.tiers):
