@@ -58,6 +58,7 @@ const char* sqrt_mode_name(SqrtMode mode) {
     switch (mode) {
         case SqrtMode::kRsqrtNewton: return "rsqrt_newton";
         case SqrtMode::kRsqrt14Fma: return "rsqrt14_fma";
+        case SqrtMode::kRsqrtNewtonFma: return "rsqrt_newton_fma";
         default: return "ieee";
     }
 }
@@ -68,6 +69,7 @@ bool sqrt_mode_supported(SqrtMode mode) {
 #if defined(__x86_64__) && defined(__GNUC__)
         case SqrtMode::kRsqrtNewton: return true;
         case SqrtMode::kRsqrt14Fma: return isa_supported(Isa::kAvx512);
+        case SqrtMode::kRsqrtNewtonFma: return isa_supported(Isa::kAvx2);
 #endif
         default: return false;
     }

@@ -54,6 +54,24 @@ MLP_TARGET_AVX2 inline void store8(void* out, DType dt, __m256 x) {
     }
 }
 
+// MKL's AVX2 vsSqrt: the Newton steps of the SSE kernel with fused multiply-adds; its fast
+// path covers bits in [0x00800000, 0x7f7fffff], the other lanes get the exact sqrt.
+MLP_TARGET_AVX2 inline __m256 sqrt8_newton_fma(__m256 x) {
+    const __m256 half = _mm256_set1_ps(0.5f);
+    const __m256 y = _mm256_rsqrt_ps(x);
+    const __m256 s = _mm256_mul_ps(y, x);
+    const __m256 h = _mm256_mul_ps(y, half);
+    const __m256 r = _mm256_fnmadd_ps(s, h, half);
+    const __m256 s1 = _mm256_fmadd_ps(r, s, s);
+    const __m256 h1 = _mm256_fmadd_ps(r, h, h);
+    const __m256 d = _mm256_fnmadd_ps(s1, s1, x);
+    const __m256 approx = _mm256_fmadd_ps(h1, d, s1);
+    const __m256i t = _mm256_add_epi32(_mm256_castps_si256(x), _mm256_set1_epi32(0x7f800000));
+    const __m256i special = _mm256_cmpgt_epi32(t, _mm256_set1_epi32(static_cast<int>(0xfeffffffu)));
+    if (__builtin_expect(_mm256_testz_si256(special, special), 1)) return approx;
+    return _mm256_blendv_ps(approx, _mm256_sqrt_ps(x), _mm256_castsi256_ps(special));
+}
+
 MLP_TARGET_AVX2 inline __m256 sqrt8(SqrtMode mode, __m256 x) {
     if (mode == SqrtMode::kRsqrt14Fma) {  // only on AVX-512 CPUs forced onto this path (tests)
         alignas(32) float t[8];
@@ -61,6 +79,7 @@ MLP_TARGET_AVX2 inline __m256 sqrt8(SqrtMode mode, __m256 x) {
         sqrt_rsqrt14_fma_8(t, t);
         return _mm256_load_ps(t);
     }
+    if (mode == SqrtMode::kRsqrtNewtonFma) return sqrt8_newton_fma(x);
     if (mode != SqrtMode::kRsqrtNewton) return _mm256_sqrt_ps(x);
     const __m256 half = _mm256_set1_ps(0.5f);
     const __m256 y = _mm256_rsqrt_ps(x);
@@ -135,6 +154,7 @@ MLP_TARGET_AVX2 void dispatch_flags8(const AdamScalars& s, const Consts8& c, flo
     constexpr int kIeee = static_cast<int>(SqrtMode::kIeee);
     constexpr int kNewton = static_cast<int>(SqrtMode::kRsqrtNewton);
     constexpr int k14 = static_cast<int>(SqrtMode::kRsqrt14Fma);
+    constexpr int kNewtonFma = static_cast<int>(SqrtMode::kRsqrtNewtonFma);
     switch (s.sqrt_mode) {
         case SqrtMode::kRsqrtNewton:
             return small_weight ? loop8<G, O, true, kNewton>(s, c, p, m, v, g, out, n)
@@ -142,6 +162,9 @@ MLP_TARGET_AVX2 void dispatch_flags8(const AdamScalars& s, const Consts8& c, flo
         case SqrtMode::kRsqrt14Fma:
             return small_weight ? loop8<G, O, true, k14>(s, c, p, m, v, g, out, n)
                                 : loop8<G, O, false, k14>(s, c, p, m, v, g, out, n);
+        case SqrtMode::kRsqrtNewtonFma:
+            return small_weight ? loop8<G, O, true, kNewtonFma>(s, c, p, m, v, g, out, n)
+                                : loop8<G, O, false, kNewtonFma>(s, c, p, m, v, g, out, n);
         default:
             return small_weight ? loop8<G, O, true, kIeee>(s, c, p, m, v, g, out, n)
                                 : loop8<G, O, false, kIeee>(s, c, p, m, v, g, out, n);
@@ -229,6 +252,10 @@ MLP_TARGET_AVX2 void sqrt_avx2(SqrtMode mode, const float* in, float* out, std::
     }
 }
 
+MLP_TARGET_AVX2 float sqrt_rsqrt_newton_fma_1(float x) {
+    return _mm256_cvtss_f32(sqrt8_newton_fma(_mm256_set1_ps(x)));
+}
+
 }  // namespace detail
 }  // namespace mlp
 
@@ -242,6 +269,7 @@ void adam_avx2(const AdamScalars& s, float* p, float* m, float* v, const void* g
 }
 void stats_avx2(const void* g, DType dt, std::size_t n, GradStats* out) { stats_scalar(g, dt, n, out); }
 void sqrt_avx2(SqrtMode mode, const float* in, float* out, std::size_t n) { sqrt_scalar(mode, in, out, n); }
+float sqrt_rsqrt_newton_fma_1(float x) { return x; }  // never called: the mode is unsupported here
 }  // namespace detail
 }  // namespace mlp
 #endif

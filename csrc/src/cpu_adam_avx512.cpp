@@ -102,13 +102,35 @@ MLP_TARGET_AVX512 inline __m512 sqrt16_rsqrt14_fma(__m512 x) {
     return _mm512_mask_blend_ps(special, r, _mm512_sqrt_ps(x));
 }
 
-MLP_TARGET_AVX512 inline __m512 sqrt16(SqrtMode mode, __m512 x) {
-    if (mode == SqrtMode::kRsqrt14Fma) return sqrt16_rsqrt14_fma(x);
-    if (mode != SqrtMode::kRsqrtNewton) return _mm512_sqrt_ps(x);
-    const __m512 half = _mm512_set1_ps(0.5f);
+MLP_TARGET_AVX512 inline __m512 rsqrt16_sse(__m512 x) {  // vrsqrtps on both halves
     const __m256 ylo = _mm256_rsqrt_ps(_mm512_castps512_ps256(x));
     const __m256 yhi = _mm256_rsqrt_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-    const __m512 y = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(ylo)), _mm256_castps_pd(yhi), 1));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(ylo)), _mm256_castps_pd(yhi), 1));
+}
+
+// MKL's AVX2 vsSqrt (see cpu_adam_avx2.cpp), for AVX-512 CPUs forced to that sqrt (tests).
+MLP_TARGET_AVX512 inline __m512 sqrt16_newton_fma(__m512 x) {
+    const __m512 half = _mm512_set1_ps(0.5f);
+    const __m512 y = rsqrt16_sse(x);
+    const __m512 s = _mm512_mul_ps(y, x);
+    const __m512 h = _mm512_mul_ps(y, half);
+    const __m512 r = _mm512_fnmadd_ps(s, h, half);
+    const __m512 s1 = _mm512_fmadd_ps(r, s, s);
+    const __m512 h1 = _mm512_fmadd_ps(r, h, h);
+    const __m512 d = _mm512_fnmadd_ps(s1, s1, x);
+    const __m512 approx = _mm512_fmadd_ps(h1, d, s1);
+    const __m512i t = _mm512_add_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x7f800000));
+    const __mmask16 special = _mm512_cmpgt_epi32_mask(t, _mm512_set1_epi32(static_cast<int>(0xfeffffffu)));
+    if (__builtin_expect(special == 0, 1)) return approx;
+    return _mm512_mask_blend_ps(special, approx, _mm512_sqrt_ps(x));
+}
+
+MLP_TARGET_AVX512 inline __m512 sqrt16(SqrtMode mode, __m512 x) {
+    if (mode == SqrtMode::kRsqrt14Fma) return sqrt16_rsqrt14_fma(x);
+    if (mode == SqrtMode::kRsqrtNewtonFma) return sqrt16_newton_fma(x);
+    if (mode != SqrtMode::kRsqrtNewton) return _mm512_sqrt_ps(x);
+    const __m512 half = _mm512_set1_ps(0.5f);
+    const __m512 y = rsqrt16_sse(x);
     const __m512 s = _mm512_mul_ps(x, y);
     const __m512 h = _mm512_mul_ps(y, half);
     const __m512 r = _mm512_sub_ps(half, _mm512_mul_ps(s, h));
@@ -199,6 +221,7 @@ MLP_TARGET_AVX512 void dispatch_flags16(const AdamScalars& s, const Consts16& c,
     constexpr int kIeee = static_cast<int>(SqrtMode::kIeee);
     constexpr int kNewton = static_cast<int>(SqrtMode::kRsqrtNewton);
     constexpr int k14 = static_cast<int>(SqrtMode::kRsqrt14Fma);
+    constexpr int kNewtonFma = static_cast<int>(SqrtMode::kRsqrtNewtonFma);
     switch (s.sqrt_mode) {
         case SqrtMode::kRsqrtNewton:
             return small_weight ? loop16<G, O, true, kNewton>(s, c, p, m, v, g, out, n)
@@ -206,6 +229,9 @@ MLP_TARGET_AVX512 void dispatch_flags16(const AdamScalars& s, const Consts16& c,
         case SqrtMode::kRsqrt14Fma:
             return small_weight ? loop16<G, O, true, k14>(s, c, p, m, v, g, out, n)
                                 : loop16<G, O, false, k14>(s, c, p, m, v, g, out, n);
+        case SqrtMode::kRsqrtNewtonFma:
+            return small_weight ? loop16<G, O, true, kNewtonFma>(s, c, p, m, v, g, out, n)
+                                : loop16<G, O, false, kNewtonFma>(s, c, p, m, v, g, out, n);
         default:
             return small_weight ? loop16<G, O, true, kIeee>(s, c, p, m, v, g, out, n)
                                 : loop16<G, O, false, kIeee>(s, c, p, m, v, g, out, n);

@@ -94,6 +94,7 @@ inline float kernel_sqrt(SqrtMode mode, float x) {
         return d * h1 + s1;
     }
     if (mode == SqrtMode::kRsqrt14Fma) return sqrt_rsqrt14_fma_1(x);
+    if (mode == SqrtMode::kRsqrtNewtonFma) return sqrt_rsqrt_newton_fma_1(x);
 #else
     (void)mode;
 #endif

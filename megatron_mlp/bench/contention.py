@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--path", default="/var/tmp", help="a directory on the tier (default /var/tmp)")
     p.add_argument("--bytes-per-proc", default="1GiB", help="bytes each process writes then reads (default 1GiB)")
     p.add_argument("--chunk-bytes", default="64MiB", help="bytes moved per token hold, a subgroup (default 64MiB)")
+    p.add_argument("--queue-depth", type=int, default=8,
+                   help="I/O tasks in flight per process, as --mlp-offload-io-queue-depth (default 8)")
     p.add_argument("--slots", type=int, default=1,
                    help="token holders allowed at once, as --mlp-offload-tokens-per-tier (default 1)")
     p.add_argument("--repeats", type=int, default=1, help="rounds per mode, alternating modes (default 1)")
@@ -155,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         for flag, v in (("--bytes-per-proc", nbytes), ("--chunk-bytes", chunk)):
             if v < 4096 or v % 4096:
                 raise ConfigError(f"{flag}: {v} must be a positive multiple of 4096 bytes")
-        if args.procs < 1 or args.repeats < 1 or args.slots < 1:
-            raise ConfigError(f"--procs, --repeats and --slots must be >= 1 "
-                              f"(got {args.procs}, {args.repeats}, {args.slots})")
+        if args.procs < 1 or args.repeats < 1 or args.slots < 1 or args.queue_depth < 1:
+            raise ConfigError(f"--procs, --repeats, --slots and --queue-depth must be >= 1 "
+                              f"(got {args.procs}, {args.repeats}, {args.slots}, {args.queue_depth})")
         if not os.path.isdir(args.path):
             raise ConfigError(f"--path: {args.path} is not a directory")
     except ConfigError as e:
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):
             for use_tokens in (False, True):  # alternate, so drift hits both modes alike
                 runs.append(run_once(directory, args.procs, nbytes, chunk, use_tokens, args.runtime_dir,
-                                     slots=args.slots))
+                                     queue_depth=args.queue_depth, slots=args.slots))
     finally:
         os.rmdir(directory)
 
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
                     "backend": runs[0]["backend"], "o_direct": all(r["o_direct"] for r in runs)},
         "config": {"path": args.path, "procs": args.procs, "bytes_per_proc": nbytes, "chunk_bytes": chunk,
-                   "slots": args.slots, "repeats": args.repeats},
+                   "slots": args.slots, "queue_depth": args.queue_depth, "repeats": args.repeats},
         "without_tokens_s": med(False, "total_s"),
         "with_tokens_s": med(True, "total_s"),
         "without_tokens_mean_finish_s": med(False, "mean_finish_s"),
@@ -197,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     m = summary["machine"]
     print(f"contention: {args.procs} processes x {human_bytes(nbytes)} written then read on {args.path} "
           f"({'O_DIRECT' if m['o_direct'] else 'buffered'}, {m['backend']}), {human_bytes(chunk)} per token hold, "
-          f"{args.slots} token holder(s) at once, {args.repeats} round(s) per mode, {m['cpus']} CPUs")
+          f"{args.slots} token holder(s) at once, queue depth {args.queue_depth}, {args.repeats} round(s) per mode, "
+          f"{m['cpus']} CPUs")
     print(f"{'mode':<16}{'total s':>10}{'mean finish s':>16}{'aggregate GB/s':>16}{'token wait s':>14}")
     for tokens in (False, True):
         rs = [r for r in runs if r["tokens"] is tokens]

@@ -9,6 +9,7 @@ ratio is the median over repeats of engine/fio measured in the same repeat. O_DI
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -99,32 +100,54 @@ def _fio_version() -> str | None:
 
 # ---- DeepSpeed ------------------------------------------------------------------------------------
 
-def _deepspeed_pass_factory(a, path: str):
-    """Returns (callable(write) -> bytes/s, description) or (None, reason)."""
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """DeepSpeed logs (and its C++ op warns) on stdout; keep stdout for our one JSON object."""
+    sys.stdout.flush()
+    saved = os.dup(1)
     try:
-        import torch
-        from deepspeed.ops.op_builder import AsyncIOBuilder
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _deepspeed_pass_factory(a, path: str):
+    """Returns (callable(write) -> bytes/s, description) or (None, reason).
+
+    DeepSpeed's defaults for its aio handle (ZeRO-Infinity): one thread, overlap_events, the
+    same block size and queue depth as the engine; buffer page-locked (pinned when CUDA is there).
+    """
+    try:
+        with _stdout_to_stderr():
+            import torch
+            from deepspeed.ops.op_builder import AsyncIOBuilder
     except Exception as e:  # deepspeed is an optional extra
         return None, f"deepspeed is not importable ({type(e).__name__}: {e})"
     try:
-        aio = AsyncIOBuilder().load(verbose=False)
-        handle = aio.aio_handle(a.block_bytes, a.queue_depth, False, True, a.num_threads or 1)
-        if torch.cuda.is_available():
-            tensor = torch.empty(a.size_bytes, dtype=torch.uint8).pin_memory()
-        else:
-            tensor = handle.new_cpu_locked_tensor(a.size_bytes, torch.empty(0, dtype=torch.uint8))
+        with _stdout_to_stderr():
+            aio = AsyncIOBuilder().load(verbose=False)
+            handle = aio.aio_handle(a.block_bytes, a.queue_depth, False, True, 1)
+            if torch.cuda.is_available():
+                tensor = torch.empty(a.size_bytes, dtype=torch.uint8).pin_memory()
+            else:
+                tensor = handle.new_cpu_locked_tensor(a.size_bytes, torch.empty(0, dtype=torch.uint8))
     except Exception as e:
         return None, f"deepspeed aio_handle unavailable ({type(e).__name__}: {e})"
 
     def run(write: bool) -> float:
-        t0 = time.perf_counter()
-        rc = handle.sync_pwrite(tensor, path) if write else handle.sync_pread(tensor, path)
-        dt = time.perf_counter() - t0
-        if rc not in (None, 0, 1) and rc < 0:
+        with _stdout_to_stderr():
+            t0 = time.perf_counter()
+            rc = handle.sync_pwrite(tensor, path) if write else handle.sync_pread(tensor, path)
+            dt = time.perf_counter() - t0
+        if rc is not None and rc < 0:
             raise RuntimeError(f"deepspeed aio {'write' if write else 'read'} returned {rc}")
         return a.size_bytes / dt
 
-    return run, "deepspeed aio_handle, pinned buffer"
+    return run, "deepspeed aio_handle (1 thread, overlap_events), page-locked buffer"
 
 
 # ---- driver ---------------------------------------------------------------------------------------

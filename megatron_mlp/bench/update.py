@@ -50,6 +50,10 @@ ABLATION = (
 )
 
 
+CHECKSUM_OFF = "MLP-Offload without checksums"
+MLP_NAME = ABLATION[-1][0]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-mlp bench update", description=__doc__.split("\n")[0])
     p.add_argument("--paths", required=True, help='tier paths, e.g. "/nvme;/pfs:qos=1GB/s" (qos = emulated tier)')
@@ -201,6 +205,9 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
         del base
 
     variants = [ABLATION[-1]] if args.no_ablation else list(ABLATION)
+    if not args.no_ablation:
+        # Not cumulative: MLP-Offload with the crc32c of every region turned off -- its cost.
+        variants.append((CHECKSUM_OFF, dict(ABLATION[-1][1], checksum=False)))
     result["variants"] = []
     for name, overrides in variants:
         barrier.wait()
@@ -258,15 +265,23 @@ def summarize(args, tiers, bandwidth, results) -> dict:
     backward_s = _steady(back_steps)[0]
     ablation = [{"name": "ZeRO-3 policy (baseline)", "seconds": baseline_s, "min_s": base_min,
                  "max_s": base_max, "speedup": 1.0}]
+    extra = {}
+    mlp_index = None
     for i, variant in enumerate(results[0]["variants"]):
         steps = _per_step_max(results, lambda r: r["variants"][i]["steps_s"])
         med, lo, hi = _steady(steps)
-        ablation.append({"name": variant["name"], "seconds": med, "min_s": lo, "max_s": hi,
-                         "speedup": baseline_s / med if med > 0 else None})
+        row = {"name": variant["name"], "seconds": med, "min_s": lo, "max_s": hi,
+               "speedup": baseline_s / med if med > 0 else None}
+        if variant["name"] == CHECKSUM_OFF:
+            extra = row
+            continue
+        ablation.append(row)
+        if variant["name"] == MLP_NAME:
+            mlp_index = i
     mlp = ablation[-1]
     mlp_s = mlp["seconds"]
     # Bytes MLP-Offload moved per step on each tier (all ranks; steady-state steps).
-    last_stats = [r["variants"][-1]["stats"] for r in results]
+    last_stats = [r["variants"][mlp_index]["stats"] for r in results]
     steady = slice(1, None) if args.steps > 1 else slice(None)
     tier_rows = []
     for j, bw in enumerate(bandwidth):
@@ -306,15 +321,18 @@ def summarize(args, tiers, bandwidth, results) -> dict:
         "baseline_bytes_written_per_step": base_last["bytes_written"] * args.ranks,
         "baseline_compute_s": base_last["compute_s"],
         "mlp_s": mlp_s, "mlp_min_s": mlp["min_s"], "mlp_max_s": mlp["max_s"],
-        "mlp_steps_s": _per_step_max(results, lambda r: r["variants"][-1]["steps_s"]),
+        "mlp_steps_s": _per_step_max(results, lambda r: r["variants"][mlp_index]["steps_s"]),
         "speedup": baseline_s / mlp_s if mlp_s > 0 else None,
         "speedup_with_backward_write": (baseline_s + backward_s) / mlp_s if mlp_s > 0 else None,
         "lower_bound_s": lower_bound_s,
         "mlp_vs_lower_bound": mlp_s / lower_bound_s if lower_bound_s > 0 else None,
         "predicted_s": placement.total_seconds,
         "placement": placement.to_dict(),
-        "mlp_tier_of": results[0]["variants"][-1]["tier_of"],
-        "mlp_host_limit_bytes": results[0]["variants"][-1]["host_limit_bytes"],
+        "mlp_tier_of": results[0]["variants"][mlp_index]["tier_of"],
+        "mlp_host_limit_bytes": results[0]["variants"][mlp_index]["host_limit_bytes"],
+        "mlp_no_checksum_s": extra.get("seconds"),
+        "checksum_cost_s": mlp_s - extra["seconds"] if extra else None,
+        "mlp_checksum_thread_s": sum(t["checksum_s"] for t in mlp_last["tiers"]),
         "mlp_last_step": mlp_last,
         "ablation": ablation,
     }
@@ -336,6 +354,9 @@ def _text(summary) -> str:
                  f"(+ {summary['baseline_backward_grad_write_s']:.2f} s writing fp32 grads in backward)")
     for a in summary["ablation"]:
         lines.append(f"  {a['name']:<40} {a['seconds']:7.2f} s  ({a['speedup']:.2f}x)")
+    if summary["mlp_no_checksum_s"] is not None:
+        lines.append(f"  (MLP-Offload without checksums: {summary['mlp_no_checksum_s']:.2f} s; crc32c threads "
+                     f"busy {summary['mlp_checksum_thread_s']:.2f} s per step, overlapped with I/O)")
     lines.append(f"MLP-Offload: {summary['mlp_s']:.2f} s -> {summary['speedup']:.2f}x the baseline; "
                  f"I/O lower bound {summary['lower_bound_s']:.2f} s (x{summary['mlp_vs_lower_bound']:.2f}); "
                  f"placement model predicted {summary['predicted_s']:.2f} s")

@@ -244,7 +244,10 @@ class Engine:
         """
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes: expected a positive integer, got {nbytes!r}")
-        buf = HostBuffer(_core().alloc_host_buffer(nbytes, lock))
+        try:
+            buf = HostBuffer(_core().alloc_host_buffer(nbytes, lock))
+        except OSError as e:
+            raise MemoryError(f"cannot map a {nbytes}-byte host buffer: {e.strerror}") from None
         if lock and not buf.locked and not self._warned_memlock:
             self._warned_memlock = True
             err = buf._raw.lock_errno

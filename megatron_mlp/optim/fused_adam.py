@@ -53,9 +53,10 @@ def _detect_torch_sqrt(kernel) -> str:
     """Which sqrt the installed torch computes for fp32 CPU tensors.
 
     torch built with MKL evaluates ``Tensor.sqrt()`` with MKL's vsSqrt, and which kernel MKL runs
-    depends on the CPU: correctly rounded (its AVX2 kernel), rsqrt + Newton (its generic SSE
-    kernel, e.g. on AMD CPUs; about one element in five 1 ulp off) or rsqrt14 + fma (its AVX-512
-    kernel on Intel CPUs; about one in a hundred 1 ulp off). AdamW's denominator goes through it,
+    depends on the CPU: rsqrt + Newton (its generic SSE kernel, e.g. on AMD CPUs; about one
+    element in five 1 ulp off), the same with fma (its AVX2 kernel on Intel CPUs without AVX-512)
+    or rsqrt14 + fma (its AVX-512 kernel on Intel CPUs; about one in a hundred 1 ulp off); torch
+    without MKL rounds correctly. AdamW's denominator goes through it,
     so to stay bit-identical the kernel uses the same sequence. Returns "ieee" when torch's sqrt
     matches none of them (the update is then within 1 ulp of torch per sqrt).
     """
@@ -64,7 +65,7 @@ def _detect_torch_sqrt(kernel) -> str:
     x = torch.rand(16384, generator=gen, dtype=torch.float64).mul_(40).sub_(36)
     x = torch.pow(10.0, x).float()
     ref = x.sqrt()
-    for mode in ("ieee", "rsqrt_newton", "rsqrt14_fma"):
+    for mode in ("ieee", "rsqrt_newton", "rsqrt_newton_fma", "rsqrt14_fma"):
         if not _C.sqrt_mode_supported(mode):
             continue
         kernel.set_sqrt_mode(mode)
@@ -91,15 +92,16 @@ def set_kernel_isa(name: str) -> None:
 
 
 def sqrt_mode() -> str:
-    """The sqrt the kernel uses: "ieee", "rsqrt_newton" or "rsqrt14_fma" (see _detect_torch_sqrt)."""
+    """The sqrt the kernel uses: "ieee", "rsqrt_newton", "rsqrt_newton_fma" or "rsqrt14_fma"."""
     return _kernel().sqrt_mode
 
 
 def set_sqrt_mode(name: str) -> None:
-    """Force the kernel's sqrt ("ieee", "rsqrt_newton", "rsqrt14_fma", or "auto" = match the installed torch).
+    """Force the kernel's sqrt (a name from sqrt_mode(), or "auto" = match the installed torch).
 
     Raises:
-        ValueError: unknown name, or a sequence this CPU cannot compute (rsqrt14_fma needs AVX-512).
+        ValueError: unknown name, or a sequence this CPU cannot compute (rsqrt14_fma needs
+            AVX-512, rsqrt_newton_fma AVX2 and FMA).
     """
     k = _kernel()
     k.set_sqrt_mode(_detect_torch_sqrt(k) if name == "auto" else name)

@@ -35,7 +35,7 @@ from megatron_mlp.optim.failover import FailoverStats, take_out_of_service
 from megatron_mlp.optim.host_pool import HostBufferPool
 from megatron_mlp.optim.placement import assign_subgroups
 from megatron_mlp.optim.schedule import cache_slots, iteration_order, kept_in_cache
-from megatron_mlp.optim.stats import StepStats
+from megatron_mlp.optim.stats import StepStats, TierStepStats
 from megatron_mlp.optim.store import TierStore
 from megatron_mlp.optim.subgroups import STATE_NAMES, Subgroup, SubgroupPlan
 
@@ -168,7 +168,10 @@ class OffloadAdam:
                 raise ValueError(f"params_out: expected a contiguous CPU bf16/fp16/fp32 tensor of {self.numel} "
                                  f"elements, got {params_out.dtype} {tuple(params_out.shape)} on {params_out.device}")
         t_step = time.perf_counter()
-        stats = StepStats(tiers=[s.new_stats() for s in self.stores], host_limit_bytes=self.pool.limit_bytes)
+        # One entry per configured path, in --mlp-offload-paths order (zeros for a path holding none).
+        stats = StepStats(tiers=[self._store_of[t].new_stats() if t in self._store_of
+                                 else TierStepStats(path=spec.path) for t, spec in enumerate(self.config.tiers)],
+                          host_limit_bytes=self.pool.limit_bytes)
         if found_inf:
             stats.skipped = True
             self.last_step_stats = stats.as_dict()

@@ -65,7 +65,8 @@ State make_state(std::size_t n, mlp::DType gdt, mlp::DType odt, unsigned seed) {
 void test_simd_paths_match_scalar() {
     const mlp::DType dts[] = {mlp::DType::kFloat32, mlp::DType::kBFloat16, mlp::DType::kFloat16};
     const std::size_t sizes[] = {1, 7, 15, 16, 17, 31, 33, 1000, 4099};
-    for (mlp::SqrtMode mode : {mlp::SqrtMode::kIeee, mlp::SqrtMode::kRsqrtNewton, mlp::SqrtMode::kRsqrt14Fma}) {
+    for (mlp::SqrtMode mode : {mlp::SqrtMode::kIeee, mlp::SqrtMode::kRsqrtNewton, mlp::SqrtMode::kRsqrtNewtonFma,
+                               mlp::SqrtMode::kRsqrt14Fma}) {
         if (!mlp::sqrt_mode_supported(mode)) {
             std::printf("skip: this CPU cannot compute sqrt mode %s\n", mlp::sqrt_mode_name(mode));
             continue;

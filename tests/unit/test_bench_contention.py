@@ -30,12 +30,12 @@ def test_contention_bench_table_prints_both_times_and_ratio(disk_dir, tmp_path, 
 
 
 def test_contention_bench_runs_with_two_token_slots(disk_dir, tmp_path, capsys):
-    rc = cli_main(["bench", "contention", "--procs", "3", "--slots", "2", "--path", disk_dir,
+    rc = cli_main(["bench", "contention", "--procs", "3", "--slots", "2", "--queue-depth", "4", "--path", disk_dir,
                    "--bytes-per-proc", "256KiB", "--chunk-bytes", "64KiB", "--runtime-dir", str(tmp_path / "rt"),
                    "--json"])
     assert rc == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["config"]["slots"] == 2 and len(d["runs"]) == 2
+    assert d["config"]["slots"] == 2 and d["config"]["queue_depth"] == 4 and len(d["runs"]) == 2
 
 
 def test_contention_bench_rejects_unaligned_size_with_flag(disk_dir, capsys):

@@ -131,3 +131,8 @@ def test_pin_is_a_no_op_without_cuda(eng, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     buf = eng.alloc(4096)
     assert buf.pin() is False and not buf.pinned
+
+
+def test_alloc_raises_memory_error_naming_the_size_when_the_mapping_fails(eng):
+    with pytest.raises(MemoryError, match=str(1 << 60)):
+        eng.alloc(1 << 60)

@@ -277,6 +277,7 @@ def _mkl_kernel(name):
 
 
 @pytest.mark.parametrize("mode, kernel", [("rsqrt_newton", "mkl_vml_kernel_sSqrt_EXHAynn"),
+                                          ("rsqrt_newton_fma", "mkl_vml_kernel_sSqrt_L9HAynn"),
                                           ("rsqrt14_fma", "mkl_vml_kernel_sSqrt_Z0HAynn")])
 def test_sqrt_modes_reproduce_mkl_vssqrt_kernels_when_torch_exports_them(isa, mode, kernel):
     """Each mode against the MKL kernel it mirrors, called directly (CPU-independent evidence)."""
@@ -302,7 +303,7 @@ def test_sqrt_modes_reproduce_mkl_vssqrt_kernels_when_torch_exports_them(isa, mo
     assert_bitwise_equal(out, ref, f"{mode} vs {kernel}")
 
 
-@pytest.mark.parametrize("mode", ["ieee", "rsqrt_newton", "rsqrt14_fma"])
+@pytest.mark.parametrize("mode", ["ieee", "rsqrt_newton", "rsqrt_newton_fma", "rsqrt14_fma"])
 def test_all_isa_paths_agree_bitwise_when_sqrt_mode_is_forced(mode):
     if not _C.sqrt_mode_supported(mode):
         pytest.skip(f"this CPU cannot compute sqrt mode {mode}")
@@ -329,7 +330,7 @@ def test_all_isa_paths_agree_bitwise_when_sqrt_mode_is_forced(mode):
 
 
 def test_unknown_or_unsupported_sqrt_mode_is_rejected_when_forced():
-    with pytest.raises(ValueError, match=r"sqrt mode must be 'ieee', 'rsqrt_newton' or 'rsqrt14_fma', got 'fast'"):
+    with pytest.raises(ValueError, match=r"sqrt mode must be 'ieee', 'rsqrt_newton', 'rsqrt_newton_fma' or 'rsqrt14_fma', got 'fast'"):
         fa.set_sqrt_mode("fast")
     if not _C.sqrt_mode_supported("rsqrt14_fma"):
         with pytest.raises(ValueError, match=r"'rsqrt14_fma' is not supported by this CPU"):

@@ -266,3 +266,12 @@ def test_subgroups_of_a_free_tier_go_first_when_another_rank_holds_a_tiers_token
         busy = [t for t in stats if t["path"] == opt.config.tiers[busy_tier].path][0]
         assert busy["token_wait_s"] > 0.2
         assert_state_equal(opt, ref)
+
+
+def test_step_stats_list_every_configured_path_in_order_when_one_holds_nothing(tier_dirs):
+    opt, _ = make(tier_dirs, 3, subgroup_params=1000, multipath=False)
+    with opt:
+        opt.step(grads_for(0, torch.bfloat16))
+        tiers = opt.last_step_stats["tiers"]
+        assert [t["path"] for t in tiers] == list(tier_dirs[:3])
+        assert tiers[0]["bytes_read"] > 0 and tiers[1]["bytes_read"] == tiers[2]["bytes_read"] == 0

@@ -11,11 +11,13 @@
 //   p  = p + (f32(-lr / (1 - beta1^step)) * m) / d           (addcdiv)
 // Bias corrections are computed in double exactly as torch's Python code does.
 // `sqrt` is one of the three that torch's Tensor.sqrt() computes on x86 CPUs:
-//   SqrtMode::kIeee         correctly rounded (torch without MKL; MKL's AVX2 kernel),
-//   SqrtMode::kRsqrtNewton  MKL vsSqrt's generic SSE kernel, rsqrt + Newton without fma (taken
-//                           e.g. on AMD EPYC, where MKL skips its Intel-specific kernels),
-//   SqrtMode::kRsqrt14Fma   MKL vsSqrt's AVX-512 kernel, rsqrt14 + one fma correction (Intel
-//                           CPUs with AVX-512; needs AVX-512F on every path).
+//   SqrtMode::kIeee            correctly rounded (torch without MKL),
+//   SqrtMode::kRsqrtNewton     MKL vsSqrt's generic SSE kernel, rsqrt + Newton without fma
+//                              (taken e.g. on AMD EPYC, where MKL skips its Intel kernels),
+//   SqrtMode::kRsqrtNewtonFma  MKL vsSqrt's AVX2 kernel, the same Newton steps with fma (Intel
+//                              CPUs with AVX2 but no AVX-512; needs FMA on every path),
+//   SqrtMode::kRsqrt14Fma      MKL vsSqrt's AVX-512 kernel, rsqrt14 + one fma correction (Intel
+//                              CPUs with AVX-512; needs AVX-512F on every path).
 // The Python layer detects which one the installed torch uses.
 //
 // No libtorch, no libpython: raw pointers, element counts and a dtype enum. The hot path returns
@@ -34,7 +36,7 @@ namespace mlp {
 
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-enum class SqrtMode : int { kIeee = 0, kRsqrtNewton = 1, kRsqrt14Fma = 2 };
+enum class SqrtMode : int { kIeee = 0, kRsqrtNewton = 1, kRsqrt14Fma = 2, kRsqrtNewtonFma = 3 };
 
 const char* isa_name(Isa isa);
 const char* dtype_name(DType dt);
@@ -176,6 +178,8 @@ void sqrt_avx512(SqrtMode mode, const float* in, float* out, std::size_t n);
 // MKL's AVX-512 sqrt sequence for the scalar and AVX2 paths (defined with an AVX-512 target;
 // only called when sqrt_mode_supported(kRsqrt14Fma)).
 float sqrt_rsqrt14_fma_1(float x);
+// MKL's AVX2 sqrt sequence for the scalar path (AVX2+FMA target; only when supported).
+float sqrt_rsqrt_newton_fma_1(float x);
 void sqrt_rsqrt14_fma_8(const float* in, float* out);
 
 // Bit conversions shared by all paths (scalar definitions; SIMD paths reproduce them exactly).

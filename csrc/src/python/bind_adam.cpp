@@ -32,7 +32,9 @@ SqrtMode parse_sqrt(const std::string& name) {
     if (name == "ieee") return SqrtMode::kIeee;
     if (name == "rsqrt_newton") return SqrtMode::kRsqrtNewton;
     if (name == "rsqrt14_fma") return SqrtMode::kRsqrt14Fma;
-    throw py::value_error("sqrt mode must be 'ieee', 'rsqrt_newton' or 'rsqrt14_fma', got '" + name + "'");
+    if (name == "rsqrt_newton_fma") return SqrtMode::kRsqrtNewtonFma;
+    throw py::value_error("sqrt mode must be 'ieee', 'rsqrt_newton', 'rsqrt_newton_fma' or 'rsqrt14_fma', got '" +
+                          name + "'");
 }
 
 DType to_dtype(int code) {
