@@ -11,7 +11,7 @@ OLDER_MCORE_SPEC ?= megatron-core==0.13.1
 OLDER_VENV ?= .venv-mcore-older
 MEGATRON_TESTS := tests/unit/test_cpu_harness.py tests/unit/test_cpu_harness_gpt.py $(wildcard tests/integration/test_megatron_*.py)
 
-.PHONY: install demo test test-megatron-older test-cpp clean
+.PHONY: install demo test test-megatron-older megatron-older-tests test-cpp clean
 
 install:
 	$(PIP) install -q "$(TORCH_SPEC)"
@@ -22,10 +22,13 @@ demo: install
 
 test: install
 	$(PYTHON) -m pytest -q -ra tests
-	$(MAKE) test-megatron-older
+	$(MAKE) megatron-older-tests
 
 # The Megatron integration tests again with the older Megatron-Core line.
 test-megatron-older: install
+	$(MAKE) megatron-older-tests
+
+megatron-older-tests:
 	test -x $(OLDER_VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(OLDER_VENV)
 	$(OLDER_VENV)/bin/python -m pip install -q "$(OLDER_MCORE_SPEC)"
 	PYTHONPATH=$(CURDIR) $(OLDER_VENV)/bin/python -c "import megatron.core as m; print('megatron-core', m.__version__)"

@@ -108,6 +108,8 @@ def train_step(spec: TinyGPT, model, optimizer, iteration: int, scheduler=None) 
 
     dp_rank = parallel_state.get_data_parallel_rank()
     tokens, labels, loss_mask, position_ids = batch(spec, iteration, dp_rank)
+    if torch.cuda.is_available():  # a real GPU run (the harness maps .cuda() to a no-op anyway)
+        tokens, labels, loss_mask, position_ids = (t.cuda() for t in (tokens, labels, loss_mask, position_ids))
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()

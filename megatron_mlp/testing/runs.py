@@ -37,8 +37,19 @@ def train(rank, world_size, spec, tp, mlp_config, iters, grad_reduce_in_fp32=Fal
 
     model, opt = build(spec, tp, mlp_config, grad_reduce_in_fp32=grad_reduce_in_fp32,
                        inner_factory=inner_factory, opt_overrides=opt_overrides)
+    skipped = []
+    step = opt.step
+
+    def counting_step():
+        ok, grad_norm, zeros = step()
+        skipped.append(not ok)
+        return ok, grad_norm, zeros
+
+    opt.step = counting_step
     losses = [gpt.train_step(spec, model, opt, i) for i in range(iters)]
-    return losses, gpt.model_params(model)
+    params = gpt.model_params(model)
+    params["__skipped_steps__"] = torch.tensor(sum(skipped))
+    return losses, params
 
 
 def device_state_report(rank, world_size, spec, tp, mlp_config, iters, inner_factory=None):
@@ -77,6 +88,20 @@ def device_state_report(rank, world_size, spec, tp, mlp_config, iters, inner_fac
 
 def checkpoint_run(rank, world_size, spec, tp, mlp_config, iters_before, iters_after, ckpt_dir, mode,
                    sharding_type="dp_reshardable", inner_factory=None):
+    return _checkpoint_run(rank, world_size, spec, tp, mlp_config, iters_before, iters_after, ckpt_dir, mode,
+                           sharding_type, inner_factory)
+
+
+def checkpoint_run_tp(rank, world_size, save_tp, load_tp, spec, mlp_config, iters, ckpt_dir, mode,
+                      inner_factory=None):
+    """checkpoint_run with the TP size chosen by mode (fully_reshardable): save with save_tp, load with load_tp."""
+    tp = save_tp if mode == "save" else load_tp
+    return _checkpoint_run(rank, world_size, spec, tp, mlp_config, iters, 0, ckpt_dir, mode, "fully_reshardable",
+                           inner_factory)
+
+
+def _checkpoint_run(rank, world_size, spec, tp, mlp_config, iters_before, iters_after, ckpt_dir, mode,
+                    sharding_type, inner_factory):
     """mode 'save': train iters_before, save, keep training iters_after; 'load': build, load, train
     iters_after. Returns (losses after the save point, params, optimizer state by param name)."""
     from megatron.core import dist_checkpointing

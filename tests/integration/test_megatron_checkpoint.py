@@ -17,7 +17,7 @@ from megatron_mlp.config import MLPOffloadConfig  # noqa: E402
 from megatron_mlp.testing import gpt  # noqa: E402
 from megatron_mlp.testing.multiproc import run_distributed  # noqa: E402
 from megatron_mlp.testing.reference_offload import InMemoryAdam  # noqa: E402
-from megatron_mlp.testing.runs import checkpoint_run  # noqa: E402
+from megatron_mlp.testing.runs import checkpoint_run, checkpoint_run_tp  # noqa: E402
 
 SPEC = gpt.TinyGPT()
 
@@ -59,11 +59,6 @@ def test_resume_continues_like_an_uninterrupted_run_when_saved_and_loaded(tmp_pa
             assert torch.equal(p_s[name], p_r[name]), name
 
 
-def _gather_state(per_rank):
-    """Concatenate DP shards of each param's state in rank order (params are DP-sharded by range)."""
-    return per_rank
-
-
 def test_stock_checkpoint_loads_into_mlp_offload_and_back(tmp_path):
     inner = _inner()
     stock_ckpt, ours_ckpt = str(tmp_path / "stock"), str(tmp_path / "ours")
@@ -102,3 +97,21 @@ def test_state_reshards_when_loaded_with_a_different_dp_size(tmp_path, save_worl
             cat_a = torch.cat([t[k] for t in a[name]])
             cat_b = torch.cat([t[k] for t in b[name]])
             assert torch.equal(torch.sort(cat_a).values, torch.sort(cat_b).values), f"{name}.{k}"
+
+
+def test_state_reshards_when_loaded_with_tp2_to_tp1(tmp_path):
+    """Vocab 256 (divisible by 128*TP) so the padded embedding does not change with TP."""
+    inner = _inner()
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_distributed(checkpoint_run_tp, 2, 2, 1, SPEC, _cfg(tmp_path, "a"), 4, ckpt, "save", inner)
+    loaded = run_distributed(checkpoint_run_tp, 1, 2, 1, SPEC, _cfg(tmp_path, "b", 2048), 4, ckpt, "load", inner)
+    whole = loaded[0][2]
+    tp_states = [r[2] for r in saved]
+    assert whole.keys() == tp_states[0].keys()
+    for name, t in whole.items():
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            parts = [s[name][k] for s in tp_states]
+            if parts[0].numel() == t[k].numel():   # replicated across TP (norms, some biases)
+                assert torch.equal(parts[0], t[k]) and torch.equal(parts[1], t[k]), f"{name}.{k}"
+            else:                                  # split across TP: same multiset of elements
+                assert torch.equal(torch.sort(torch.cat(parts)).values, torch.sort(t[k]).values), f"{name}.{k}"
