@@ -132,6 +132,13 @@ def _patch_megatron(patch) -> None:
         # initialize.py builds the fused softmax CUDA kernels on every start; with --no-*-fusion
         # and --transformer-impl local they are never called.
         patch(fused_kernels, "load", _noop)
+    # Megatron-Core 0.13's checkpoint validation calls numpy.product, removed in numpy 2.0 (0.14+
+    # call numpy.prod). Only added where missing, so a smoke run of 0.13 can --save with numpy 2;
+    # a GPU run of 0.13 needs numpy<2 (or a newer Megatron) for the same reason.
+    import numpy
+
+    if not hasattr(numpy, "product"):
+        numpy.product = numpy.prod
     # Not skipped: initialize.py's `make` of the dataset index helper (compile_helpers). Mock data
     # indexes its samples with that helper too, and building it is what every GPU run does.
 

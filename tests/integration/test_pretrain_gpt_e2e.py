@@ -37,6 +37,15 @@ TINY_GPT = (
     "--no-masked-softmax-fusion --no-persist-layer-norm --no-rope-fusion --hidden-dropout 0 "
     "--attention-dropout 0 --use-distributed-optimizer --log-interval 1 --eval-iters 0 --eval-interval 1000 "
     "--timing-log-level 2 --seed 1234").split()
+
+
+def _vocab_args() -> list[str]:
+    """Megatron-Core 0.13's mock documents hold token ids up to 4095 (0.14+ wrap them at the vocab)."""
+    info = Path(MEGATRON_LM_PATH, "megatron", "core", "package_info.py").read_text()
+    minor = int(re.search(r"^MINOR\s*=\s*(\d+)", info, re.M).group(1))
+    return ["--vocab-size", "4096"] if minor < 14 else []
+
+
 ITER_RE = re.compile(r"iteration +(\d+)/ *\d+ .*lm loss: ([0-9.E+-]+) .*grad norm: ([0-9.]+)")
 
 
@@ -45,7 +54,7 @@ def _torchrun(script: str, args: list[str], tmp: Path, launcher: bool) -> tuple[
     cmd += ["-m", "megatron_mlp.launch", script] if launcher else [script]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd + TINY_GPT + args, cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd + TINY_GPT + _vocab_args() + args, cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     return out, {int(m.group(1)): (m.group(2), m.group(3)) for m in ITER_RE.finditer(out)}
