@@ -65,6 +65,7 @@ class TierFailure(TierIOError):
         super().__init__(err, message, path)
         self.held_in_host = tuple(held_in_host)
         self.unreadable = tuple(unreadable)
+        self.step_completed = False   # set when raised after a step that updated every subgroup
 
     @property
     def state_complete(self) -> bool:

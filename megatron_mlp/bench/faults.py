@@ -154,9 +154,11 @@ class _Campaign:
 
     def _fresh(self):
         from megatron_mlp.testing.fault_engine import FaultyEngines
-        cfg = _config(self.paths, self.spec)
+        # Only the hang campaign uses a short I/O timeout: elsewhere a loaded disk must not look hung.
+        spec = dict(self.spec, io_timeout_s=2.0) if self.kind == "timeout" else self.spec
+        cfg = _config(self.paths, spec)
         self.engines = FaultyEngines(cfg, hanging=self.kind == "timeout")
-        return _optimizer(self.paths, self.spec, self.engines)
+        return _optimizer(self.paths, spec, self.engines)
 
     def _counters(self, opt):
         st = opt.last_step_stats or {}
@@ -336,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     spec = {"steps": args.steps, "faults": args.faults_per_kind, "num_params": args.num_params,
             "subgroup_params": args.subgroup_params, "checkpoint_every": args.checkpoint_every,
-            "io_timeout_s": 0.5, "host_cache_bytes": 12 * args.subgroup_params + 3 * 4096}
+            "io_timeout_s": 120.0, "host_cache_bytes": 12 * args.subgroup_params + 3 * 4096}
     created_shm: list[str] = []
     try:
         def tiers(name):

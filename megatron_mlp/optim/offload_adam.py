@@ -201,6 +201,9 @@ class OffloadAdam:
                 failing.setdefault(id(store), (store, f"flush of subgroup {sg.index} failed: {exc}"))
             try:
                 take_out_of_service(self, list(failing.values()))
+            except TierFailure as e:
+                e.step_completed = True   # every subgroup was updated and handed out (params_out)
+                raise
             finally:
                 self.last_step_stats["failover"] = self.failover.as_dict()
             return
