@@ -7,6 +7,7 @@ CLI, or directly in tests -- validated here, then handed to every component. Not
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from megatron_mlp.errors import ConfigError
@@ -70,6 +71,10 @@ class MLPOffloadConfig:
             raise ConfigError("--mlp-offload-paths: at least one storage path is required")
         _positive("--mlp-offload-subgroup-size", self.subgroup_params)
         _non_negative("--mlp-offload-host-cache", self.host_cache_bytes)
+        memory = _physical_memory_bytes()
+        if memory and self.host_cache_bytes > memory:
+            raise ConfigError(f"--mlp-offload-host-cache: {self.host_cache_bytes} bytes is more than this machine's "
+                              f"memory ({memory} bytes) for one rank; give each rank a share of the host memory")
         _non_negative("--mlp-offload-prefetch-depth", self.prefetch_depth)
         _positive("--mlp-offload-flush-depth", self.flush_depth)
         _positive("--mlp-offload-tokens-per-tier", self.tokens_per_tier)
@@ -93,6 +98,13 @@ class MLPOffloadConfig:
 
     def replace(self, **changes) -> "MLPOffloadConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def _positive(flag: str, value: int) -> None:

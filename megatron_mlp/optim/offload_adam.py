@@ -39,6 +39,7 @@ from megatron_mlp.optim.stats import StepStats, TierStepStats
 from megatron_mlp.optim.store import TierStore
 from megatron_mlp.optim.subgroups import STATE_NAMES, Subgroup, SubgroupPlan
 
+logger = logging.getLogger("megatron_mlp.optim.offload_adam")
 GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_DICT_FORMAT = "megatron_mlp.OffloadAdam/1"
 _DEFAULTS = {"weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8}
@@ -94,19 +95,24 @@ class OffloadAdam:
         self._cache_keep: set[int] = set()  # the cached subgroups of the last step
         self._halted: TierFailure | None = None
         self._retiring: list = []           # threads closing failed tiers
+        _check_tiers_and_sizes(config, self.plan)   # nothing starts half-configured
         self.stale_scratch = _clean_stale_scratch(config.tiers)
         from megatron_mlp.tier.scratch import install_sigterm_cleanup
         install_sigterm_cleanup()   # SIGTERM with no handler of its own removes the scratch; chains otherwise
         self.stores: list[TierStore] = []
         self._finalizer = weakref.finalize(self, _close_stores, self.stores)
-        for t, spec in enumerate(config.tiers):
-            mine = [sg for sg in self.plan if self.tier_of[sg.index] == t]
-            if not mine:
-                continue
-            self.stores.append(TierStore.create(
-                t, spec, mine, engine_factory=engine_factory, token_factory=token_factory,
-                checksum=config.checksum, job_tag=f"{job}-r{rank}-p{os.getpid()}",
-                io_timeout_s=config.io_timeout_s, job_id=job, rank=rank))
+        try:
+            for t, spec in enumerate(config.tiers):
+                mine = [sg for sg in self.plan if self.tier_of[sg.index] == t]
+                if not mine:
+                    continue
+                self.stores.append(TierStore.create(
+                    t, spec, mine, engine_factory=engine_factory, token_factory=token_factory,
+                    checksum=config.checksum, job_tag=f"{job}-r{rank}-p{os.getpid()}",
+                    io_timeout_s=config.io_timeout_s, job_id=job, rank=rank))
+        except BaseException:
+            self._finalizer()   # nothing half-configured: the tiers already set up are removed now
+            raise
         self._store_of = {s.index: s for s in self.stores}
 
         buf_bytes = max(self.plan.max_region_bytes, 4096)
@@ -620,6 +626,21 @@ def _close_stores(stores) -> None:
         except Exception:  # noqa: BLE001 -- best effort at interpreter exit; close() reports errors itself
             pass
     stores.clear()
+
+
+def _check_tiers_and_sizes(config, plan) -> None:
+    """Paths usable (exist or creatable, writable directories, none listed twice; same device twice
+    is a warning) and a subgroup size that makes sense for this shard; errors name flag and value."""
+    from megatron_mlp.tier.validation import validate_tier_paths
+    for warning in validate_tier_paths(config.tiers).warnings:
+        logger.warning("%s", warning)
+    n, size = plan.numel, config.subgroup_params
+    if n and size < 1024:
+        logger.warning("--mlp-offload-subgroup-size: %d elements per subgroup is tiny: every array is padded to "
+                       "4096 bytes and each subgroup costs a request per tier; use at least a few million", size)
+    elif n >= (1 << 24) and size >= n:
+        logger.warning("--mlp-offload-subgroup-size: %d elements holds this rank's whole shard (%d elements) in "
+                       "one subgroup: no overlap of I/O and compute; use about a tenth of it", size, n)
 
 
 def _clean_stale_scratch(tiers) -> dict:

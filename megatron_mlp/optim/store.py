@@ -122,18 +122,27 @@ class TierStore:
             raise TierCapacityError(
                 f"--mlp-offload-paths: tier {spec.path} cannot reserve {need} bytes for {len(subgroups)} "
                 f"subgroups (two slots each): {e.strerror}; free space or lower the share of this path") from e
-        engine = engine_factory(spec)
-        handle = engine.open(file_path, create=False, direct=True)
-        st = os.stat(file_path)
+        engines = []
+        try:
+            engine = engine_factory(spec)
+            engines.append(engine)
+            handle = engine.open(file_path, create=False, direct=True)
+            st = os.stat(file_path)
+            split = spec.qos_bytes_per_s is not None
+            write_engine, write_handle = engine, handle
+            if split:
+                write_engine = engine_factory(spec)
+                engines.append(write_engine)
+                write_handle = write_engine.open(file_path, create=False, direct=True)
+        except BaseException:
+            for e in engines:
+                e.close()
+            scratch_dir.remove()      # a tier that cannot start leaves nothing behind
+            raise
         records, offset = {}, 0
         for sg in subgroups:
             records[sg.index] = SlotRecord((offset, offset + sg.region_bytes))
             offset += 2 * sg.region_bytes
-        split = spec.qos_bytes_per_s is not None
-        write_engine, write_handle = engine, handle
-        if split:
-            write_engine = engine_factory(spec)
-            write_handle = write_engine.open(file_path, create=False, direct=True)
         store = cls(index=index, path=spec.path, scratch_dir=scratch, file_path=file_path, engine=engine,
                     handle=handle, token=token_factory(spec), checksum=checksum, split_lanes=split,
                     records=records, write_engine=write_engine, write_handle=write_handle,
