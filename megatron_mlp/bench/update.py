@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch-depth", type=int, default=2)
     p.add_argument("--flush-depth", type=int, default=2)
     p.add_argument("--ranks", type=int, default=1, help="processes sharing the tiers, as ranks of one node")
-    p.add_argument("--steps", type=int, default=3, help="update steps per variant (the first is a warm-up)")
+    p.add_argument("--steps", type=int, default=5, help="update steps per variant (the first is a warm-up)")
     p.add_argument("--grad-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--calib-bytes", default="1GB", help="bytes per tier for the bandwidth measurement")
     p.add_argument("--backend", default="auto", choices=("auto", "io_uring", "threads"))

@@ -44,33 +44,16 @@ def plan_for(plan: SubgroupPlan, config, ranks_per_node: int = 1):
     if not config.multipath:
         tiers = tiers[:1]
     sizes = [sg.region_bytes for sg in plan]
-    return plan_placement(sizes, moved_per_step(plan, config), tiers, ranks_per_node=ranks_per_node)
-
-
-def moved_per_step(plan: SubgroupPlan, config) -> list[tuple[int, int]]:
-    """(read, write) bytes each subgroup moves per step, averaged over two steps in steady state.
-
-    With the alternating order the cache holds the last ``slots`` subgroups of one pass and the
-    first ``slots`` of the next: each of those ends is fetched and flushed every other step
-    (half its bytes per step); the rest move everything every step; when all fit, nothing moves.
-    """
-    n = len(plan)
     slots = cache_slots(config.host_cache_bytes, plan.max_region_bytes, cache_order=config.cache_order)
-    if slots >= n:
-        return [(0, 0)] * n
-    alternating = config.order == "alternate"
-    out = []
-    for sg in plan:
-        b = sg.region_bytes
-        at_end = sg.index >= n - slots
-        at_start = sg.index < slots
-        if alternating and (at_end or at_start):
-            out.append((b // 2, b // 2) if not (at_end and at_start) else (0, 0))
-        elif not alternating and at_end:
-            out.append((0, 0))      # ascending: the same last subgroups stay cached for good
-        else:
-            out.append((b, b))
-    return out
+    budget = slots * plan.max_region_bytes
+    if slots and config.order == "alternate":
+        # Steady state of the alternating order: the cached ends skip a read or a write each step.
+        return plan_placement(sizes, None, tiers, ranks_per_node=ranks_per_node, host_cache_bytes=budget,
+                              cache_model="alternate")
+    # Ascending: the last `slots` subgroups stay in host memory for good and never move.
+    cached = list(range(len(sizes) - slots, len(sizes))) if slots else []
+    return plan_placement(sizes, None, tiers, ranks_per_node=ranks_per_node, host_cache_bytes=budget,
+                          cached_subgroups=cached)
 
 
 def assign_subgroups(plan: SubgroupPlan, config, ranks_per_node: int = 1) -> list[int]:
