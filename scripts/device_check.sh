@@ -56,10 +56,12 @@ fi
 $PY - "$OUT" "$GPU" "$status_install" "$status_build" "$status_demo" <<'PYEOF'
 import json, os, sys
 out, gpu, inst, build, demo = sys.argv[1:6]
-summary = {"gpu": gpu == "1", "megatron_core_install": inst, "build": build, "demo": demo}
+summary = {"gpu": gpu == "1", "megatron_core_install": inst, "build_status": build, "demo_status": demo}
 try:
     import torch
     summary["torch"] = torch.__version__
+    import megatron.core
+    summary["megatron_core"] = megatron.core.__version__
     summary["device"] = torch.cuda.get_device_name(0) if gpu == "1" else "cpu"
 except Exception as exc:
     summary["torch"] = f"unavailable: {exc}"

@@ -93,10 +93,10 @@ def checkpoint_run(rank, world_size, spec, tp, mlp_config, iters_before, iters_a
 
 
 def checkpoint_run_tp(rank, world_size, save_tp, load_tp, spec, mlp_config, iters, ckpt_dir, mode,
-                      inner_factory=None):
-    """checkpoint_run with the TP size chosen by mode (fully_reshardable): save with save_tp, load with load_tp."""
+                      sharding_type, inner_factory=None):
+    """checkpoint_run with the TP size chosen by mode: save with save_tp, load with load_tp."""
     tp = save_tp if mode == "save" else load_tp
-    return _checkpoint_run(rank, world_size, spec, tp, mlp_config, iters, 0, ckpt_dir, mode, "fully_reshardable",
+    return _checkpoint_run(rank, world_size, spec, tp, mlp_config, iters, 0, ckpt_dir, mode, sharding_type,
                            inner_factory)
 
 
