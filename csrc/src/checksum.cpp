@@ -54,7 +54,6 @@ std::uint32_t crc32c_software(std::uint32_t crc, const unsigned char* p, std::si
     return crc;
 }
 
-#ifdef MLP_HAVE_CRC_HW
 // GF(2) 32x32 matrices (column i = image of bit i) for the operator "append k zero bytes".
 using Mat = std::array<std::uint32_t, 32>;
 
@@ -95,6 +94,7 @@ Mat zeros_operator(std::size_t nbytes) {
     return result;
 }
 
+#ifdef MLP_HAVE_CRC_HW
 struct ShiftTable {
     std::uint32_t t[4][256];
     explicit ShiftTable(std::size_t nbytes) {
@@ -180,6 +180,13 @@ std::uint32_t crc32c(const void* data, std::size_t nbytes, std::uint32_t seed, C
     (void)impl;
 #endif
     return ~crc32c_software(crc, p, nbytes);
+}
+
+std::uint32_t crc32c_combine(std::uint32_t crc_a, std::uint32_t crc_b, std::size_t len_b) {
+    if (len_b == 0) return crc_a;
+    // The pre/post inversions of A's and B's registers cancel: crc(A||B) = Z^|B|(crc_a) ^ crc_b,
+    // with Z the "append one zero byte" operator.
+    return mat_times(zeros_operator(len_b), crc_a) ^ crc_b;
 }
 
 }  // namespace mlp

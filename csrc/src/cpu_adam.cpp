@@ -2,6 +2,9 @@
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off")  // 1 - lr*wd etc. must round exactly as Python does
 #endif
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
 
 #include "mlp/cpu_adam.h"
 
@@ -10,6 +13,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstring>
 
 namespace mlp {
 
@@ -291,6 +295,20 @@ int CpuAdam::grad_stats(const void* grad, DType dtype, std::size_t n, GradStats*
         out->sum_of_squares += p.sum_of_squares;
         out->found_nonfinite |= p.found_nonfinite;
     }
+    return 0;
+}
+
+int CpuAdam::copy(void* dst, const void* src, std::size_t nbytes, int num_threads) {
+    if (nbytes == 0) return 0;
+    if (!dst || !src) return -EINVAL;
+    const std::size_t n = nbytes / 4;  // pieces in 4-byte units, as fp32 state
+    const int k = plan_tasks(n, num_threads);
+    pool_.run(k, [&](int t) {
+        std::size_t b, e;
+        piece(n, k, t, &b, &e);
+        const std::size_t len = (e - b) * 4 + (t == k - 1 ? nbytes % 4 : 0);  // last piece: odd tail bytes
+        if (len) std::memcpy(static_cast<char*>(dst) + b * 4, static_cast<const char*>(src) + b * 4, len);
+    });
     return 0;
 }
 

@@ -4,8 +4,9 @@ Everything is measured in the same run, with the same thread count:
   * megatron_mlp's fused_adam_step (gradient read in its own dtype, new params written in 16 bit),
   * torch.optim.AdamW(fused=True) with the upcast it needs (``grad.float()`` every step, timed),
   * DeepSpeedCPUAdam with the same upcast, when deepspeed is importable,
-  * the memory-bandwidth bound: a STREAM-like copy (torch ``copy_``, counted as bytes read plus
-    bytes written) divided by the bytes the fused step must move per parameter:
+  * the memory-bandwidth bound: a STREAM-like copy (the faster of torch ``copy_`` and a memcpy
+    split over the kernel's own threads, counted as bytes read plus bytes written) divided by the
+    bytes the fused step must move per parameter:
     read p, m, v (12) + read grad (2 or 4) + write p, m, v (12) + write params out (2 or 4).
 The contenders run in interleaved rounds and each figure is the median over the rounds, so a
 background load that comes and goes affects all of them alike; the bound uses the median copy.
@@ -118,7 +119,10 @@ def run(args) -> dict:
         tp.grad = grad.float()  # the upcast torch needs, timed with the step
         topt.step()
 
-    contenders = {"copy": lambda: dst.copy_(src), "mlp": mlp_step, "torch": torch_step}
+    kernel = fa._kernel()
+    contenders = {"copy": lambda: dst.copy_(src),
+                  "pool_copy": lambda: kernel.copy(dst.data_ptr(), src.data_ptr(), copy_n * 4, threads),
+                  "mlp": mlp_step, "torch": torch_step}
     ds_cls, ds_reason = _deepspeed_adam()
     if ds_cls is not None:
         try:
@@ -149,15 +153,19 @@ def run(args) -> dict:
     result["crc32c_gbs"] = n * 4 / min(crc_times) / 1e9
     result["crc32c_impl"] = crc32c_impl()
 
-    copy_rates = sorted(2 * copy_n * 4 / t for t in times["copy"])  # bytes read + written per second
-    bw = statistics.median(copy_rates)
+    # bytes read + written per second; torch's copy_ (OpenMP threads) and a memcpy split over the
+    # kernel's own pool; the bound takes the faster of the two medians (a conservative bound).
+    copy_rates = sorted(2 * copy_n * 4 / t for t in times["copy"])
+    pool_rates = sorted(2 * copy_n * 4 / t for t in times["pool_copy"])
+    bw = max(statistics.median(copy_rates), statistics.median(pool_rates))
     bound = bw / bytes_per_param / 1e9
     mlp = _summary(n, times["mlp"])
     tor = _summary(n, times["torch"])
     result.update({
         "mlp_gparams_s": mlp["median"], "mlp_gparams_s_min": mlp["min"], "mlp_gparams_s_max": mlp["max"],
         "torch_gparams_s": tor["median"], "torch_gparams_s_min": tor["min"], "torch_gparams_s_max": tor["max"],
-        "copy_gbs": bw / 1e9, "copy_gbs_best": copy_rates[-1] / 1e9, "bytes_per_param": bytes_per_param,
+        "copy_gbs": bw / 1e9, "torch_copy_gbs": statistics.median(copy_rates) / 1e9,
+        "pool_copy_gbs": statistics.median(pool_rates) / 1e9, "bytes_per_param": bytes_per_param,
         "bound_gparams_s": bound, "ratio_vs_torch": mlp["median"] / tor["median"],
         "fraction_of_bound": mlp["median"] / bound,
     })
@@ -167,7 +175,7 @@ def run(args) -> dict:
                        "deepspeed_gparams_s_max": ds["max"], "ratio_vs_deepspeed": mlp["median"] / ds["median"]})
     else:
         result["deepspeed_unavailable"] = ds_reason
-    result["bound_model"] = (f"median copy bandwidth / bytes per param; bytes per param = read p,m,v 12 + read grad "
+    result["bound_model"] = (f"copy bandwidth / bytes per param; bytes per param = read p,m,v 12 + read grad "
                              f"{grad_bytes} + write p,m,v 12 + write params out {out_bytes} = {bytes_per_param}")
     return result
 
@@ -176,8 +184,8 @@ def _print_human(r: dict) -> None:
     print(f"fused CPU Adam: {r['num_params']:,} params, grad {r['grad_dtype']} -> params out {r['out_dtype']}, "
           f"{r['threads']} threads, kernel {r['isa']} (sqrt {r['sqrt_mode']})")
     print(f"CPU: {r['cpu']}; torch {r['torch_version']}; median of {r['repeats']} interleaved rounds after one warm-up")
-    print(f"memory copy bandwidth (torch copy_, read+write): median {r['copy_gbs']:.1f} GB/s, "
-          f"best {r['copy_gbs_best']:.1f} GB/s")
+    print(f"memory copy bandwidth (read+write, medians): torch copy_ {r['torch_copy_gbs']:.1f} GB/s, "
+          f"memcpy on the kernel's pool {r['pool_copy_gbs']:.1f} GB/s; bound uses {r['copy_gbs']:.1f} GB/s")
     print(f"bound: {r['bound_model']} -> {r['bound_gparams_s']:.2f} Gparam/s")
     print(f"{'':34}{'median':>8}{'min':>8}{'max':>8}   Gparam/s")
     rows = [("megatron_mlp fused_adam_step", "mlp"), ("torch AdamW(fused=True) + upcast", "torch")]

@@ -10,7 +10,7 @@ import numpy as np
 
 from megatron_mlp import _C
 
-__all__ = ["crc32c", "crc32c_impl"]
+__all__ = ["crc32c", "crc32c_combine", "crc32c_impl"]
 
 
 def crc32c_impl() -> str:
@@ -60,3 +60,20 @@ def crc32c(buffer, seed: int = 0, *, impl: str = "auto") -> int:
     result = _C.crc32c(addr, nbytes, int(seed), impl)
     del keep
     return result
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """CRC-32C of the concatenation A + B from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)`` in bytes.
+
+    Lets pieces of one subgroup be checksummed independently (by several threads, or as each I/O
+    block completes) and combined in microseconds.
+
+    Raises:
+        ValueError: a CRC outside 32 bits or a negative length.
+    """
+    for name, value in (("crc_a", crc_a), ("crc_b", crc_b)):
+        if not 0 <= int(value) <= 0xFFFFFFFF:
+            raise ValueError(f"crc32c_combine: {name} must be an unsigned 32-bit value, got {value}")
+    if int(len_b) < 0:
+        raise ValueError(f"crc32c_combine: len_b must be >= 0, got {len_b}")
+    return _C.crc32c_combine(int(crc_a), int(crc_b), int(len_b))

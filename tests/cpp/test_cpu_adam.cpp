@@ -153,6 +153,15 @@ void test_pool_covers_every_element_once() {
     mlp::GradStats st;
     CHECK(adam.grad_stats(g.data(), mlp::DType::kBFloat16, n, &st) == 0, "stats");
     CHECK(st.sum_of_squares == static_cast<double>(n) && !st.found_nonfinite, "sumsq %f", st.sum_of_squares);
+    // Many back-to-back runs with varying widths: workers must neither miss nor repeat a round.
+    for (int round = 0; round < 200; ++round) {
+        mlp::GradStats r;
+        adam.grad_stats(g.data(), mlp::DType::kBFloat16, n, &r, 1 + round % 3);
+        if (r.sum_of_squares != static_cast<double>(n)) {
+            CHECK(false, "round %d: sumsq %f", round, r.sum_of_squares);
+            break;
+        }
+    }
     CHECK(adam.step(h, p.data(), m.data(), v.data(), g.data(), static_cast<mlp::DType>(7), nullptr,
                     mlp::DType::kFloat32, n) == -EINVAL, "bad dtype must be -EINVAL");
     h.step = 0;
@@ -182,6 +191,8 @@ void test_crc32c() {
         CHECK(sw == hw, "software %08x vs auto %08x at offset %zu", sw, hw, off);
         const std::uint32_t first = mlp::crc32c(buf.data() + off, 1000, 0);
         CHECK(mlp::crc32c(buf.data() + off + 1000, n - 1000, first) == hw, "chaining with seed");
+        const std::uint32_t rest = mlp::crc32c(buf.data() + off + 1000, n - 1000, 0);
+        CHECK(mlp::crc32c_combine(first, rest, n - 1000) == hw, "combine of two pieces");
     }
 }
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_mlp import _C
-from megatron_mlp.optim.checksum import crc32c, crc32c_impl
+from megatron_mlp.optim.checksum import crc32c, crc32c_combine, crc32c_impl
 
 IMPLS = ["software", "sse42", "auto"]
 
@@ -78,3 +78,26 @@ def test_bad_buffers_are_rejected_with_reason_when_not_contiguous_or_not_buffers
 
 def test_impl_report_names_the_path_when_queried():
     assert crc32c_impl() in ("sse42", "software")
+
+
+@pytest.mark.parametrize("cut", [0, 1, 7, 4096, 99_999, 100_000])
+def test_combine_gives_checksum_of_concatenation_when_pieces_are_checksummed_separately(cut):
+    data = np.random.default_rng(3).integers(0, 256, 100_000, dtype=np.uint8).tobytes()
+    a, b = data[:cut], data[cut:]
+    assert crc32c_combine(crc32c(a), crc32c(b), len(b)) == crc32c(data)
+
+
+def test_combine_of_many_pieces_equals_whole_when_folded_left_to_right():
+    data = np.random.default_rng(4).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    pieces = [data[i:i + 65_537] for i in range(0, len(data), 65_537)]
+    acc = crc32c(pieces[0])
+    for piece in pieces[1:]:
+        acc = crc32c_combine(acc, crc32c(piece), len(piece))
+    assert acc == crc32c(data)
+
+
+def test_combine_rejects_out_of_range_values_with_argument_name_when_invalid():
+    with pytest.raises(ValueError, match=r"crc_b must be an unsigned 32-bit value, got 4294967296"):
+        crc32c_combine(0, 1 << 32, 1)
+    with pytest.raises(ValueError, match=r"len_b must be >= 0, got -1"):
+        crc32c_combine(0, 0, -1)

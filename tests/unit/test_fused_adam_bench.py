@@ -16,13 +16,14 @@ def test_bench_adam_prints_one_json_object_with_all_figures_when_json_requested(
     out = capsys.readouterr().out
     result = json.loads(out)  # the whole of stdout is one JSON object
     for key in ("mlp_gparams_s", "torch_gparams_s", "bound_gparams_s", "ratio_vs_torch", "fraction_of_bound",
-                "isa", "threads", "copy_gbs", "bytes_per_param", "crc32c_gbs"):
+                "isa", "threads", "copy_gbs", "torch_copy_gbs", "pool_copy_gbs", "bytes_per_param", "crc32c_gbs"):
         assert key in result, key
     for key in ("mlp_gparams_s", "torch_gparams_s", "bound_gparams_s", "copy_gbs", "crc32c_gbs"):
         assert result[key] > 0, key
     assert result["bytes_per_param"] == {"bf16": 28, "fp16": 28, "fp32": 30}[grad_dtype]
     assert result["ratio_vs_torch"] == pytest.approx(result["mlp_gparams_s"] / result["torch_gparams_s"])
     assert ("deepspeed_gparams_s" in result) != ("deepspeed_unavailable" in result)
+    assert result["copy_gbs"] == max(result["torch_copy_gbs"], result["pool_copy_gbs"])
 
 
 def test_bench_adam_prints_table_with_baseline_and_bound_when_run_from_cli(capsys):
@@ -43,3 +44,15 @@ def test_bench_adam_prints_table_with_baseline_and_bound_when_run_from_cli(capsy
 def test_bench_adam_rejects_bad_flags_with_flag_name_when_invalid(capsys, argv, message):
     assert bench_adam.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nbytes", [1, 4099, 4 * 300_000 + 3])
+def test_pool_copy_copies_every_byte_when_size_is_not_a_multiple_of_four(nbytes):
+    import torch
+
+    from megatron_mlp.optim import fused_adam as fa
+    src = torch.randint(0, 256, (nbytes + 1,), dtype=torch.uint8)
+    dst = torch.zeros(nbytes + 1, dtype=torch.uint8)
+    fa._kernel().copy(dst.data_ptr(), src.data_ptr(), nbytes, 0)
+    assert torch.equal(dst[:nbytes], src[:nbytes])
+    assert dst[nbytes].item() == 0, "copied past nbytes"

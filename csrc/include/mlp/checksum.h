@@ -18,4 +18,9 @@ bool crc32c_hw_supported();
 std::uint32_t crc32c(const void* data, std::size_t nbytes, std::uint32_t seed = 0,
                      Crc32cImpl impl = Crc32cImpl::kAuto);
 
+// CRC-32C of the concatenation A||B from crc_a = crc32c(A), crc_b = crc32c(B) and |B|, in
+// O(log |B|) matrix work: lets several threads (or I/O completions) checksum pieces of one
+// subgroup independently.
+std::uint32_t crc32c_combine(std::uint32_t crc_a, std::uint32_t crc_b, std::size_t len_b);
+
 }  // namespace mlp

@@ -145,6 +145,10 @@ public:
 
     int grad_stats(const void* grad, DType dtype, std::size_t n, GradStats* out, int num_threads = 0);
 
+    // memcpy split over the pool like step(): the STREAM-like copy that measures the memory
+    // bandwidth available to this pool's threads (the bound of a memory-bound step).
+    int copy(void* dst, const void* src, std::size_t nbytes, int num_threads = 0);
+
 private:
     // Splits [0, n) into at most `want` pieces whose boundaries are multiples of kChunkElems, so
     // no two threads write the same cache line of any array.

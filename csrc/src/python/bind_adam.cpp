@@ -123,6 +123,18 @@ void bind_adam(py::module_& m) {
             },
             py::arg("grad"), py::arg("dtype"), py::arg("numel"), py::arg("num_threads") = 0)
         .def(
+            "copy",
+            [](CpuAdam& a, std::uintptr_t dst, std::uintptr_t src, std::size_t nbytes, int num_threads) {
+                int rc;
+                {
+                    py::gil_scoped_release release;
+                    rc = a.copy(ptr<void>(dst), ptr<const void>(src), nbytes, num_threads);
+                }
+                check(rc, "copy");
+            },
+            py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("num_threads") = 0,
+            "memcpy split over the pool (the bandwidth bound of bench adam).")
+        .def(
             "sqrt",
             [](CpuAdam& a, std::uintptr_t in, std::uintptr_t out, std::size_t n) {
                 int rc;
@@ -139,6 +151,8 @@ void bind_adam(py::module_& m) {
         if (name == "software") return true;
         throw py::value_error("crc32c implementation must be 'sse42' or 'software', got '" + name + "'");
     });
+    m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"),
+          "CRC-32C of A||B from crc32c(A), crc32c(B) and len(B).");
     m.def(
         "crc32c",
         [](std::uintptr_t addr, std::size_t nbytes, std::uint32_t seed, const std::string& impl) {
