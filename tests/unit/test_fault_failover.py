@@ -166,7 +166,7 @@ def test_subgroups_move_off_a_tier_whose_scratch_dir_vanished(two_tiers):
 
 
 def test_a_hung_write_times_out_with_etimedout_and_its_tier_fails_over(two_tiers, caplog):
-    opt, ref, engines = build(two_tiers, hanging=True, io_timeout_s=0.3)
+    opt, ref, engines = build(two_tiers, hanging=True, io_timeout_s=2.0)
     with opt:
         steps(opt, ref, 0, 2)
         engines.of(two_tiers[0]).hang_next("write")
@@ -180,7 +180,7 @@ def test_a_hung_write_times_out_with_etimedout_and_its_tier_fails_over(two_tiers
 
 
 def test_a_hung_read_fails_the_step_with_etimedout_naming_path_and_offset(two_tiers):
-    opt, ref, engines = build(two_tiers, hanging=True, io_timeout_s=0.3)
+    opt, ref, engines = build(two_tiers, hanging=True, io_timeout_s=2.0)
     with opt:
         steps(opt, ref, 0, 1)
         engines.of(two_tiers[0]).hang_next("read")
