@@ -150,6 +150,7 @@ class _Campaign:
         self.kind, self.paths, self.spec, self.rng, self.work = kind, paths, spec, rng, work
         self.injected = self.detected = self.recovered = 0
         self.notes: list[str] = []
+        self.recovered_by: dict[str, int] = {}
         self.ckpt = os.path.join(work, f"ckpt-{kind}.pt")
 
     def _fresh(self):
@@ -224,6 +225,9 @@ class _Campaign:
                     if after != before:           # a retry, an engine re-queue or a failover: seen and handled
                         self.detected += 1
                         self.recovered += 1
+                        how = ("failover" if after[1] > before[1] else "retry" if after[0] > before[0]
+                               else "engine re-queue")
+                        self.recovered_by[how] = self.recovered_by.get(how, 0) + 1
                     else:
                         self.notes.append(f"fault before step {s} had no visible effect")
                 s += 1
@@ -236,6 +240,8 @@ class _Campaign:
     def _recover(self, opt, exc):
         from megatron_mlp.errors import TierFailure
         emergency = isinstance(exc, TierFailure) and exc.state_complete
+        how = "emergency checkpoint" if emergency else "last checkpoint"
+        self.recovered_by[how] = self.recovered_by.get(how, 0) + 1
         if emergency:
             # The state is complete in memory / on the surviving tiers: save it (an emergency checkpoint).
             _save(opt, self.ckpt)
@@ -276,7 +282,7 @@ def sigkill_campaign(paths, spec, rng, work):
     env = {**os.environ, "PYTHONPATH": _PKG_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "megatron_mlp.bench.faults", "--child", json.dumps(spec)]
     kill_steps = sorted(rng.sample(range(1, spec["steps"]), min(spec["faults"], spec["steps"] - 1)))
-    out = {"injected": 0, "detected": 0, "recovered": 0, "notes": []}
+    out = {"injected": 0, "detected": 0, "recovered": 0, "recovered_by": {}, "notes": []}
     pending_kill = False
     for kill_at in kill_steps + [None]:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
@@ -284,6 +290,7 @@ def sigkill_campaign(paths, spec, rng, work):
             hello = json.loads(p.stdout.readline())
             if pending_kill:
                 out["recovered"] += 1               # restarted from the last checkpoint
+                out["recovered_by"]["last checkpoint"] = out["recovered_by"].get("last checkpoint", 0) + 1
                 if hello["stale_removed"] > 0:
                     out["detected"] += 1            # ... and found the killed run's scratch (provably stale)
             pending_kill = False
@@ -371,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                 camp = _Campaign(kind, paths, spec, rng, work)
                 final, _ = camp.run()
                 counts = {"injected": camp.injected, "detected": camp.detected, "recovered": camp.recovered,
-                          "notes": camp.notes}
+                          "recovered_by": camp.recovered_by, "notes": camp.notes}
             lost = _lost_subgroups(final, ref_state, plan)
             results[kind] = {**counts, "lost": lost, "bit_equal": lost == 0,
                              "seconds": round(time.perf_counter() - t0, 2)}
@@ -406,10 +413,11 @@ def _print(r: dict) -> None:
     print(f"bench faults: {r['steps']} steps, {r['num_params']} params in {r['num_subgroups']} subgroups over "
           f"two tiers ({' + '.join(r['tiers'])}), {r['faults_per_kind']} faults per kind, checkpoint every "
           f"{r['checkpoint_every']} steps, torch {r['torch']}")
-    print(f"{'kind':<12} {'injected':>8} {'detected':>8} {'recovered':>9} {'lost':>5} {'bit-equal':>9} {'s':>6}")
+    print(f"{'kind':<12} {'injected':>8} {'detected':>8} {'recovered':>9} {'lost':>5} {'bit-equal':>9} {'s':>6}  how")
     for kind, k in r["kinds"].items():
+        how = ", ".join(f"{n} x{c}" for n, c in k.get("recovered_by", {}).items())
         print(f"{kind:<12} {k['injected']:>8} {k['detected']:>8} {k['recovered']:>9} {k['lost']:>5} "
-              f"{str(k['bit_equal']):>9} {k['seconds']:>6}")
+              f"{str(k['bit_equal']):>9} {k['seconds']:>6}  {how}")
     c = r["checksum"]
     print(f"crc32c cost (fault-free reference, best of 2 median steps): on {c['step_s_on'] * 1e3:.1f} ms, "
           f"off {c['step_s_off'] * 1e3:.1f} ms, ratio {c['ratio_on_off']:.3f}; checksum threads "
