@@ -140,7 +140,10 @@ def _place(opt, sg, buf, queue):
             continue
         if target.free_bytes() < 2 * sg.region_bytes:
             continue
-        target.adopt(sg)
+        try:
+            target.adopt(sg)
+        except OSError:
+            continue              # no room on that tier after all (it stays in service)
         try:
             target.write_now(sg, buf)
         except (TierIOError, OSError) as e:

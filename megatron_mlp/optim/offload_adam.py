@@ -182,10 +182,6 @@ class OffloadAdam:
             stats.skipped = True
             self.last_step_stats = stats.as_dict()
             return
-        vanished = [(s, f"its scratch file {s.file_path} vanished") for s in self.stores
-                    if not s.failed and s.vanished()]
-        if vanished:
-            take_out_of_service(self, vanished)   # reads through the still-open file; may raise TierFailure
         for g in self.state:
             self.state[g]["step"] += 1
         order = iteration_order(len(self.plan), self._iteration, order=self.config.order,
@@ -201,10 +197,15 @@ class OffloadAdam:
         stats.step_s = time.perf_counter() - t_step
         stats.peak_host_bytes = self.pool.peak_bytes
         self.last_step_stats = stats.as_dict()
-        if errors:
-            failing = {}
-            for sg, store, exc in errors:
-                failing.setdefault(id(store), (store, f"flush of subgroup {sg.index} failed: {exc}"))
+        failing = {}
+        for sg, store, exc in errors:
+            failing.setdefault(id(store), (store, f"flush of subgroup {sg.index} failed: {exc}"))
+        for store in self.stores:
+            # A scratch file deleted from its path (a tmp cleaner) is still reachable through the open
+            # descriptors: this step ran normally; move its subgroups off before anything is closed.
+            if not store.failed and id(store) not in failing and store.vanished():
+                failing[id(store)] = (store, f"its scratch file {store.file_path} vanished")
+        if failing:
             try:
                 take_out_of_service(self, list(failing.values()))
             except TierFailure as e:

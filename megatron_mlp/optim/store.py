@@ -323,6 +323,8 @@ class TierStore:
     def adopt(self, sg: Subgroup) -> None:
         """Give ``sg`` two new slots at the end of this tier's file (failover; never written yet)."""
         with self._lock:
+            # Reserved like the initial slots (OSError ENOSPC: no room here, try another tier).
+            reserve_space(self.file_path, self.end_offset + 2 * sg.region_bytes)
             self.records[sg.index] = SlotRecord((self.end_offset, self.end_offset + sg.region_bytes))
             self.end_offset += 2 * sg.region_bytes
 
