@@ -385,6 +385,7 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         return success, grad_norm, num_zeros_in_grad
 
     def step_with_ready_grads(self) -> bool:
+        self._drop_staged()  # the state changes now
         if not self.is_stub_optimizer and self._clip_grad > 0.0:
             if self._grad_norm is None:
                 self.get_grad_norm()
@@ -425,11 +426,41 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
 
     # -- the checkpoint seam ----------------------------------------------------------------------
     def _get_main_param_and_optimizer_states(self, model_param):
+        """fp32 CPU copies of this param's range (a checkpoint save asks for every param in turn).
+
+        Megatron asks param by param; reading the enclosing subgroup once and serving the params
+        inside it from that staged copy turns a save into one sequential pass over the tier. At
+        most two subgroups are staged (params alternate between the weight-decay groups); returned
+        tensors are fresh copies, so an async save never sees a staged buffer being reused.
+        """
         start, end = self._param_flat_range[model_param]
-        tensors = self.optimizer.offload.read_range(start, end)
-        return {"param": tensors["param"], "exp_avg": tensors["exp_avg"], "exp_avg_sq": tensors["exp_avg_sq"]}
+        out = {k: torch.empty(end - start, dtype=torch.float32) for k in ("param", "exp_avg", "exp_avg_sq")}
+        for lo, hi in self._subgroup_spans(start, end):
+            staged = self._staged_subgroup(lo, hi)
+            a, b = max(start, lo), min(end, hi)
+            for k in out:
+                out[k][a - start:b - start].copy_(staged[k][a - lo:b - lo])
+        return out
+
+    def _subgroup_spans(self, start, end):
+        plan = getattr(self.optimizer.offload, "plan", None)
+        if plan is None or not hasattr(plan, "overlapping"):
+            return [(start, end)]
+        return [(sg.start, sg.end) for sg in plan.overlapping(start, end)]
+
+    def _staged_subgroup(self, lo, hi):
+        cache = self.__dict__.setdefault("_staged", {})
+        if (lo, hi) not in cache:
+            if len(cache) >= 2:
+                cache.pop(next(iter(cache)))
+            cache[(lo, hi)] = self.optimizer.offload.read_range(lo, hi)
+        return cache[(lo, hi)]
+
+    def _drop_staged(self):
+        self.__dict__.pop("_staged", None)
 
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        self._drop_staged()
         start, end = self._param_flat_range[model_param]
         self.optimizer.offload.write_range(
             start, end, **{k: tensors[k].detach().reshape(-1).to("cpu", torch.float32)
@@ -439,6 +470,7 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         """reload_model_params: fp32 masters on the tier := the model's (or state_dict's) params."""
         if self.is_stub_optimizer:
             return
+        self._drop_staged()
         source = {}
         if state_dict is not None:
             source = self._build_model_param_to_state_dict_param_map(state_dict)
