@@ -62,7 +62,7 @@ def test_round_trip_preserves_bytes_when_block_size_and_queue_depth_vary(backend
         st = eng.stats()
         # split into block_bytes tasks plus the tail of < 4096 bytes through the buffered descriptor
         expected_tasks = -(-(size - 4097 % 4096) // block_bytes) + 1
-        assert st["tasks"] == 2 * expected_tasks
+        assert st["tasks"] - st["retries"] == 2 * expected_tasks  # re-queued short/EAGAIN transfers aside
         assert st["buffered_tasks"] == 2
 
 
