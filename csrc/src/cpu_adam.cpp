@@ -9,6 +9,7 @@
 #include "mlp/cpu_adam.h"
 
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -156,13 +157,19 @@ int sqrt_range(Isa isa, SqrtMode mode, const float* in, float* out, std::size_t 
 }
 
 // ---------------------------------------------------------------------------------------------
-WorkerPool::WorkerPool(int num_threads) {
+WorkerPool::WorkerPool(int num_threads) : owner_pid_(static_cast<int>(getpid())) {
     const int extra = std::max(1, num_threads) - 1;
     workers_.reserve(static_cast<std::size_t>(extra));
     for (int i = 0; i < extra; ++i) workers_.emplace_back([this, i] { worker_loop(i + 1); });
 }
 
 WorkerPool::~WorkerPool() {
+    if (static_cast<int>(getpid()) != owner_pid_) {
+        // A forked child: the workers exist only in the parent. Joining (or destroying joinable
+        // std::thread objects) would hang or terminate, so their handles are deliberately leaked.
+        new std::vector<std::thread>(std::move(workers_));
+        return;
+    }
     {
         std::lock_guard<std::mutex> lock(mutex_);
         stopping_ = true;
@@ -193,8 +200,8 @@ void WorkerPool::worker_loop(int index) {
 
 void WorkerPool::run(int num_tasks, const std::function<void(int)>& fn) {
     num_tasks = std::min(num_tasks, num_threads());
-    if (num_tasks <= 1) {
-        if (num_tasks == 1) fn(0);
+    if (num_tasks <= 1 || static_cast<int>(getpid()) != owner_pid_) {  // alone, or a forked child
+        for (int t = 0; t < num_tasks; ++t) fn(t);
         return;
     }
     std::lock_guard<std::mutex> run_lock(run_mutex_);

@@ -405,3 +405,36 @@ def test_param_out_is_correct_when_output_buffer_is_not_cache_line_aligned(isa, 
         fa.fused_adam_step(p, m, v, g, out, step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
     assert_bitwise_equal(out, p.to(out_dtype), "param_out")
     assert buf[0].item() == 7.0 and buf[-1].item() == 7.0, "wrote outside param_out"
+
+
+def test_kernel_still_updates_correctly_in_a_forked_child_when_parent_used_it_first():
+    import os
+    import signal
+    import time
+
+    if not hasattr(os, "fork"):
+        pytest.skip("this platform cannot fork")
+    n = 200_003  # several worker pieces: the child must run them all on its own thread
+    param0 = torch.randn(n, generator=torch.Generator().manual_seed(31))
+    grads = make_grads(n, torch.bfloat16, 3, seed=31)
+    expected, _, _, _ = fused_run(param0, grads, **HYPER[0])  # the parent's pool is running
+    pid = os.fork()
+    if pid == 0:  # child: same computation on the inherited (thread-less) pool, then exit
+        ok = False
+        try:
+            torch.set_num_threads(1)  # torch's own OpenMP pool is not fork-safe (unrelated to ours)
+            got, _, _, _ = fused_run(param0, grads, **HYPER[0])
+            ok = torch.equal(got.view(torch.int32), expected.view(torch.int32))
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"

@@ -98,6 +98,8 @@ int sqrt_range(Isa isa, SqrtMode mode, const float* in, float* out, std::size_t 
 
 // A small persistent pool: `run(k, fn)` calls fn(0..k-1) with the calling thread taking index 0,
 // and returns when all calls returned. Not re-entrant; one run at a time (guarded by a mutex).
+// Fork-safe: in a child process (where the workers do not exist) run() calls every task on the
+// calling thread, and the destructor leaves the absent threads alone.
 class WorkerPool {
 public:
     explicit WorkerPool(int num_threads);  // total threads including the caller, >= 1
@@ -112,6 +114,7 @@ private:
     void worker_loop(int index);
 
     std::vector<std::thread> workers_;
+    int owner_pid_;         // the process whose threads these are
     std::mutex run_mutex_;  // serialises run()
     std::mutex mutex_;
     std::condition_variable start_cv_;
