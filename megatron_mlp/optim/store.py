@@ -212,7 +212,12 @@ class TierStore:
                 if not self.token.try_acquire():
                     self.token_busy = True   # the scheduler prefers subgroups of other tiers meanwhile
                     try:
-                        self.token.acquire()
+                        # Bounded like the I/O itself: a holder that never lets go (a stopped
+                        # process) must not stall this rank for ever.
+                        if not self.token.acquire(timeout=self.io_timeout_s):
+                            raise TierIOError(errno.ETIMEDOUT, f"the node-level token of tier {self.path} was "
+                                              f"not free within {self.io_timeout_s} s (--mlp-offload-io-timeout); "
+                                              "another process holds it", self.file_path)
                     finally:
                         self.token_busy = False
             self._token_users += 1
