@@ -128,7 +128,14 @@ def create_scratch_dir(tier_path: str, tag: str, *, job_id: str = "", rank: int 
     path = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{tag}-", dir=tier_path)   # 0700, fresh name
     try:
         lock_fd = create_private_file(os.path.join(path, LOCK_FILE))
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            # Some parallel file systems are mounted without flock (Lustre 'noflock': ENOSYS):
+            # run without the lock; staleness then rests on the owner's pid (same host only).
+            if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL):
+                raise
+            logger.info("%s: flock unsupported (%s); scratch liveness falls back to the owner's pid", path, e)
         owner = {"pid": os.getpid(), "host": socket.gethostname(), "job_id": job_id, "rank": rank,
                  "created": time.time()}
         fd = create_private_file(os.path.join(path, OWNER_FILE))
@@ -211,25 +218,28 @@ def _staleness(path: str, host: str) -> tuple[str, str]:
     pid, owner_host = owner.get("pid"), owner.get("host")
     if owner_host != host:
         return "unknown", f"owned by pid {pid} on host {owner_host!r}; liveness cannot be checked from {host!r}"
-    lock_path = os.path.join(path, LOCK_FILE)
+    lock_free = None    # None: no lock to test (missing file, or no flock on this file system)
     try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         fd = -1
     if fd >= 0:
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    return "live", f"locked by its owner (pid {pid})"
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock_free = True
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return "live", f"locked by its owner (pid {pid})"
+            if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL):
                 raise
-            return "stale", f"owner pid {pid} on {host} no longer holds its lock"
         finally:
             os.close(fd)
+    # Both proofs where we have both: the lock is free *and* the pid is gone. A free lock with a
+    # live pid (reused, or an owner that ran without flock) is reported, never removed.
     if isinstance(pid, int) and not _pid_alive(pid):
-        return "stale", f"owner pid {pid} on {host} is gone"
-    return "unknown", f"no lock file and pid {pid} exists"
+        why = "no longer holds its lock and is gone" if lock_free else "is gone"
+        return "stale", f"owner pid {pid} on {host} {why}"
+    return "unknown", f"owner pid {pid} on {host} still exists" + (" (its lock is free)" if lock_free else "")
 
 
 def _read_owner(path: str) -> dict | None:

@@ -92,7 +92,7 @@ def test_scratch_of_a_killed_job_is_provably_stale_and_removed_while_a_live_ones
         dead.wait()
         scan = clean_stale_scratch(disk_dir)
         assert [d for d, _ in scan.removed] == [dead_dir]
-        assert "no longer holds its lock" in scan.removed[0][1]
+        assert "no longer holds its lock and is gone" in scan.removed[0][1]
         assert not os.path.exists(dead_dir) and os.path.isdir(live_dir)
         assert not scan.reported
     finally:
@@ -180,3 +180,32 @@ def test_capacity_preflight_names_the_missing_bytes_and_the_tier(disk_dir):
     msg = str(info.value)
     assert disk_dir in msg and "bytes are missing" in msg and "--mlp-offload-paths" in msg
     assert not [n for n in os.listdir(disk_dir) if n.startswith(SCRATCH_PREFIX)]
+
+
+def test_a_free_lock_whose_owner_pid_still_exists_is_reported_not_removed(disk_dir):
+    d = os.path.join(disk_dir, SCRATCH_PREFIX + "j-r0-p1-x")
+    os.mkdir(d, 0o700)
+    os.close(create_private_file(os.path.join(d, LOCK_FILE)))          # nobody holds it
+    with open(os.path.join(d, OWNER_FILE), "w") as f:
+        json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)  # but the pid is alive (reused?)
+    scan = clean_stale_scratch(disk_dir)
+    assert not scan.removed and "still exists" in scan.reported[0][1] and os.path.isdir(d)
+
+
+def test_without_flock_support_the_scratch_starts_and_a_dead_owner_is_still_recognised(disk_dir, monkeypatch):
+    import errno
+
+    import megatron_mlp.tier.scratch as scratch_mod
+
+    def no_flock(fd, op):   # e.g. Lustre mounted with 'noflock'
+        raise OSError(errno.ENOSYS, "Function not implemented")
+    monkeypatch.setattr(scratch_mod.fcntl, "flock", no_flock)
+    s = create_scratch_dir(disk_dir, "j-r0-p1", job_id="j")
+    owner = os.path.join(s.path, OWNER_FILE)
+    data = json.load(open(owner))
+    data["pid"] = 2 ** 22 + 12345            # beyond pid_max's default: no such process
+    with open(owner, "w") as f:
+        json.dump(data, f)
+    scan = clean_stale_scratch(disk_dir)
+    assert [d for d, _ in scan.removed] == [s.path] and "is gone" in scan.removed[0][1]
+    s.remove()   # already gone: idempotent, closes the lock file
