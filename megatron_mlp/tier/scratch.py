@@ -10,8 +10,9 @@ directory therefore says who owns it and proves, while that owner lives, that it
 * ``lock`` (0600) held with ``fcntl.flock(LOCK_EX)`` for the owner's lifetime. The kernel drops
   the lock when the process dies, however it dies (SIGKILL included).
 
-A directory is *provably stale* when its owner ran on this host and either its lock can be taken
-or its pid no longer exists. A directory of another host (a shared parallel file system) cannot be
+A directory is *provably stale* when its owner ran on this host, its pid no longer exists and
+its lock can be taken (where the file system has flock; without it, the pid alone decides). A
+free lock whose pid exists (reused, or an owner that ran without flock) is reported, not removed. A directory of another host (a shared parallel file system) cannot be
 proven stale from here -- flock is not coherent across nodes everywhere -- so it is reported,
 never removed. Files are created with ``O_CREAT|O_EXCL|O_NOFOLLOW`` so a symlink planted at the
 expected name is refused rather than followed.
