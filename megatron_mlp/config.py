@@ -7,6 +7,7 @@ CLI, or directly in tests -- validated here, then handed to every component. Not
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from megatron_mlp.errors import ConfigError
@@ -48,6 +49,9 @@ class MLPOffloadConfig:
     """--mlp-offload-calibration: 'auto' (measure once per node, cached), 'off', or a JSON file."""
     runtime_dir: str | None = None
     """--mlp-offload-runtime-dir: where node-level tier token files live (default: a per-user dir)."""
+    io_timeout_s: float = 300.0
+    """--mlp-offload-io-timeout: seconds one tier request may take before it fails with ETIMEDOUT
+    (the tier is then taken out of service and its subgroups move elsewhere)."""
     checksum: bool = True
     """--mlp-offload-no-checksum clears it: verify a checksum of every subgroup read from storage."""
     # Ablation switches: each design principle can be turned off to measure what it buys.
@@ -67,11 +71,18 @@ class MLPOffloadConfig:
             raise ConfigError("--mlp-offload-paths: at least one storage path is required")
         _positive("--mlp-offload-subgroup-size", self.subgroup_params)
         _non_negative("--mlp-offload-host-cache", self.host_cache_bytes)
+        memory = _physical_memory_bytes()
+        if memory and self.host_cache_bytes > memory:
+            raise ConfigError(f"--mlp-offload-host-cache: {self.host_cache_bytes} bytes is more than this machine's "
+                              f"memory ({memory} bytes) for one rank; give each rank a share of the host memory")
         _non_negative("--mlp-offload-prefetch-depth", self.prefetch_depth)
         _positive("--mlp-offload-flush-depth", self.flush_depth)
         _positive("--mlp-offload-tokens-per-tier", self.tokens_per_tier)
         _positive("--mlp-offload-io-queue-depth", self.queue_depth)
         _positive("--mlp-offload-io-threads", self.io_threads)
+        if isinstance(self.io_timeout_s, bool) or not isinstance(self.io_timeout_s, (int, float)) \
+                or not 0 < self.io_timeout_s < float("inf"):
+            raise ConfigError(f"--mlp-offload-io-timeout: {self.io_timeout_s!r} must be a positive number of seconds")
         if self.block_bytes <= 0 or self.block_bytes % 4096:
             raise ConfigError(
                 f"--mlp-offload-io-block-size: {self.block_bytes} must be a positive multiple of 4096 bytes")
@@ -87,6 +98,13 @@ class MLPOffloadConfig:
 
     def replace(self, **changes) -> "MLPOffloadConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def _positive(flag: str, value: int) -> None:

@@ -50,3 +50,23 @@ class TierCapacityError(MLPOffloadError, RuntimeError):
 
 class IntegrityError(MLPOffloadError, RuntimeError):
     """Data read back from a tier does not match its checksum."""
+
+
+class TierFailure(TierIOError):
+    """Tiers failed and their subgroups could not all be re-placed: the optimizer stopped.
+
+    Raised after a complete step. ``held_in_host`` lists the subgroups whose state is held in host
+    memory (readable: a checkpoint can still be saved); ``unreadable`` those whose state could not
+    be read back (restore them from the last checkpoint). ``state_complete`` is True when nothing
+    is unreadable.
+    """
+
+    def __init__(self, err: int, message: str, path: str | None = None, *, held_in_host=(), unreadable=()):
+        super().__init__(err, message, path)
+        self.held_in_host = tuple(held_in_host)
+        self.unreadable = tuple(unreadable)
+        self.step_completed = False   # set when raised after a step that updated every subgroup
+
+    @property
+    def state_complete(self) -> bool:
+        return not self.unreadable

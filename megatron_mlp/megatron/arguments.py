@@ -86,6 +86,9 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--mlp-offload-job-id", type=str, default=None, metavar="ID",
                    help="Names this job's scratch directories on the tiers (<path>/...<ID>-r<rank>-...). "
                         "Default: $SLURM_JOB_ID, $PBS_JOBID or torchrun's $TORCHELASTIC_RUN_ID, else 'job'.")
+    g.add_argument("--mlp-offload-io-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="A tier read or write not finished after this long fails with ETIMEDOUT (never an "
+                        "endless wait); the tier is taken out of service and its subgroups move to the others.")
     g.add_argument("--mlp-offload-no-checksum", dest="mlp_offload_checksum", action="store_false",
                    default=True,
                    help="Do not verify a checksum of every subgroup read back from storage.")
@@ -193,6 +196,7 @@ def config_from_args(args) -> MLPOffloadConfig | None:
         io_threads=args.mlp_offload_io_threads,
         calibration=_check_calibration(args.mlp_offload_calibration),
         runtime_dir=runtime_dir,
+        io_timeout_s=getattr(args, "mlp_offload_io_timeout", 300.0),
         checksum=args.mlp_offload_checksum,
         multipath=args.mlp_offload_multipath,
         use_tokens=args.mlp_offload_tier_tokens,

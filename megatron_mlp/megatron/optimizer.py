@@ -42,6 +42,7 @@ import torch
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from megatron_mlp.errors import TierFailure
 from megatron_mlp.megatron.timers import report_step_timers
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ class _OffloadInner:
         self._d2h_stream = torch.cuda.Stream() if cuda else None
         self._h2d_stream = torch.cuda.Stream() if cuda else None
         self.last_stats: dict = {}
+        self.tier_failure = None   # a TierFailure after a completed step, for the outer optimizer
 
     # -- Megatron's inner-optimizer protocol -------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -124,8 +126,16 @@ class _OffloadInner:
             # Start the H2D copy of the finished slice while Adam works on the next subgroup.
             pending.extend(self._copy_params_to_device(start, end))
 
-        self.offload.step(self._grads_host, self._params_host, inv_loss_scale=self.inv_loss_scale,
-                          clip_coef=self.clip_coef, on_subgroup_done=on_subgroup_done)
+        try:
+            self.offload.step(self._grads_host, self._params_host, inv_loss_scale=self.inv_loss_scale,
+                              clip_coef=self.clip_coef, on_subgroup_done=on_subgroup_done)
+        except TierFailure as e:
+            if not (e.step_completed and e.state_complete):
+                raise
+            # The step is complete (params handed out, state held in host memory): let Megatron
+            # finish the iteration (param all-gather) consistently on every rank; the outer
+            # optimizer then asks for an emergency checkpoint (see _on_tier_failure).
+            self.tier_failure = e
         if not pending and self._numel:
             # An offload optimizer that does not call back: copy everything at the end.
             self._copy_params_to_device(0, self._numel)
@@ -385,7 +395,34 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         ok = super().step_with_ready_grads()
         if not self.is_stub_optimizer:
             report_step_timers(self.config.timers, self.optimizer)
+            failure, self.optimizer.tier_failure = self.optimizer.tier_failure, None
+            if failure is not None:
+                self._on_tier_failure(failure)
         return ok
+
+    def _on_tier_failure(self, exc: TierFailure) -> None:
+        """No tier can take the optimizer state any more; this iteration completed and the state is
+        held in host memory, readable through the checkpoint accessors.
+
+        With Megatron-LM's ``--exit-signal-handler`` the exit signal is sent to this process:
+        Megatron saves a checkpoint at the end of this iteration and exits (an emergency
+        checkpoint through Megatron's own path). Otherwise the error is raised: a caller that
+        catches it can still save a checkpoint (``dist_checkpointing.save`` reads the held state)."""
+        logger.error("MLP-Offload: %s", exc)
+        try:
+            from megatron.training import get_args
+            args = get_args()
+        except Exception:  # noqa: BLE001 -- Megatron-Core without Megatron-LM's global args
+            args = None
+        if args is not None and getattr(args, "exit_signal_handler", False):
+            import os
+            import signal
+            sig = getattr(args, "exit_signal", signal.SIGTERM)
+            logger.error("MLP-Offload: requesting an emergency checkpoint through Megatron's exit-signal "
+                         "handler (signal %s); restart from it with healthy --mlp-offload-paths", sig)
+            os.kill(os.getpid(), int(sig))
+            return
+        raise exc
 
     # -- the checkpoint seam ----------------------------------------------------------------------
     def _get_main_param_and_optimizer_states(self, model_param):

@@ -85,6 +85,16 @@ class HostBufferPool:
                 return
             self._free.append(buffer)
 
+    def abandon(self, buffer) -> None:
+        """Give up ``buffer`` without reusing it: a request that timed out may still write into it.
+
+        Its memory stays with whoever still references it (the engine's request) and is freed
+        when that lets go; the pool may allocate a replacement."""
+        with self._lock:
+            assert self._in_use > 0, "abandon without acquire"
+            self._in_use -= 1
+            self._num_allocated -= 1
+
     def trim(self) -> None:
         """Drop free buffers (memory returns to the system; the next acquire allocates again)."""
         with self._lock:

@@ -20,6 +20,8 @@ Framework-agnostic: plain CPU torch tensors in, nothing Megatron-specific (see m
 from __future__ import annotations
 
 import copy
+import errno
+import logging
 import os
 import time
 import weakref
@@ -28,7 +30,8 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
-from megatron_mlp.errors import ConfigError, TierIOError
+from megatron_mlp.errors import ConfigError, TierFailure, TierIOError
+from megatron_mlp.optim.failover import FailoverStats, take_out_of_service
 from megatron_mlp.optim.host_pool import HostBufferPool
 from megatron_mlp.optim.placement import assign_subgroups
 from megatron_mlp.optim.schedule import cache_slots, iteration_order, kept_in_cache
@@ -36,6 +39,7 @@ from megatron_mlp.optim.stats import StepStats, TierStepStats
 from megatron_mlp.optim.store import TierStore
 from megatron_mlp.optim.subgroups import STATE_NAMES, Subgroup, SubgroupPlan
 
+logger = logging.getLogger("megatron_mlp.optim.offload_adam")
 GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_DICT_FORMAT = "megatron_mlp.OffloadAdam/1"
 _DEFAULTS = {"weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8}
@@ -86,15 +90,29 @@ class OffloadAdam:
         engine_factory = engine_factory or _default_engine_factory(config)
         token_factory = token_factory or _default_token_factory(config)
         job = str(config.extra.get("job_id", "job"))
+        self.failover = FailoverStats()
+        self._pinned: set[int] = set()      # subgroups kept in host memory for good (failover)
+        self._cache_keep: set[int] = set()  # the cached subgroups of the last step
+        self._halted: TierFailure | None = None
+        self._retiring: list = []           # threads closing failed tiers
+        _check_tiers_and_sizes(config, self.plan)   # nothing starts half-configured
+        self.stale_scratch = _clean_stale_scratch(config.tiers)
+        from megatron_mlp.tier.scratch import install_sigterm_cleanup
+        install_sigterm_cleanup()   # SIGTERM with no handler of its own removes the scratch; chains otherwise
         self.stores: list[TierStore] = []
         self._finalizer = weakref.finalize(self, _close_stores, self.stores)
-        for t, spec in enumerate(config.tiers):
-            mine = [sg for sg in self.plan if self.tier_of[sg.index] == t]
-            if not mine:
-                continue
-            self.stores.append(TierStore.create(
-                t, spec, mine, engine_factory=engine_factory, token_factory=token_factory,
-                checksum=config.checksum, job_tag=f"{job}-r{rank}-p{os.getpid()}"))
+        try:
+            for t, spec in enumerate(config.tiers):
+                mine = [sg for sg in self.plan if self.tier_of[sg.index] == t]
+                if not mine:
+                    continue
+                self.stores.append(TierStore.create(
+                    t, spec, mine, engine_factory=engine_factory, token_factory=token_factory,
+                    checksum=config.checksum, job_tag=f"{job}-r{rank}-p{os.getpid()}",
+                    io_timeout_s=config.io_timeout_s, job_id=job, rank=rank))
+        except BaseException:
+            self._finalizer()   # nothing half-configured: the tiers already set up are removed now
+            raise
         self._store_of = {s.index: s for s in self.stores}
 
         buf_bytes = max(self.plan.max_region_bytes, 4096)
@@ -137,12 +155,18 @@ class OffloadAdam:
             on_subgroup_done: ``callback(start, end)``: ``params_out[start:end]`` is final.
             found_inf: the (all-reduced) gradient had inf/nan: skip, change nothing (fp16 loss scaling).
         Raises:
-            TierIOError: a fetch or flush failed. A failed flush keeps that subgroup's new state in
-                host memory (the previous copy on the tier stays intact) and is raised after the
-                step has updated every subgroup; a failed fetch stops the step where it happened.
+            TierIOError: a fetch failed (after one retry, or timed out): the step stopped where it
+                happened and is partly applied -- restore from the last checkpoint.
+            TierFailure: a tier failed (a flush failed after a retry, ENOSPC, a timeout, its file
+                vanished) and its subgroups could not all be re-placed on healthy tiers or in the
+                host-cache budget (see optim/failover.py). Raised after the step completed; every
+                subgroup's state is still readable unless ``exc.unreadable`` says otherwise. A
+                failover that succeeds only warns and shows in ``last_step_stats["failover"]``.
             IntegrityError: a region read back does not match its checksum.
         """
         self._check_open()
+        if self._halted is not None:
+            raise self._halted
         self._check_grads(grads)
         if params_out is not None:
             if params_out.numel() != self.numel or params_out.dtype not in GRAD_DTYPES \
@@ -164,20 +188,33 @@ class OffloadAdam:
                                 cache_order=self.config.cache_order)
         stats.order = "ascending" if len(order) < 2 or order[0] < order[-1] else "descending"
         self._iteration += 1
-        keep = kept_in_cache(order, self.cache_slots)
+        keep = kept_in_cache([i for i in order if i not in self._pinned],
+                             max(0, self.cache_slots - len(self._pinned))) | self._pinned
+        self._cache_keep = keep
         hyper = [self._hyper(g) for g in range(len(self.param_groups))]
         errors = self._run_pipeline(order, keep, grads, params_out, hyper, inv_loss_scale, clip_coef,
                                     on_subgroup_done, stats)
         stats.step_s = time.perf_counter() - t_step
         stats.peak_host_bytes = self.pool.peak_bytes
         self.last_step_stats = stats.as_dict()
-        if errors:
-            sg, store, exc = errors[0]
-            raise TierIOError(
-                getattr(exc, "errno", 0) or 0,
-                f"flush of subgroup {sg.index} (elements [{sg.start}, {sg.end})) to tier {store.path} "
-                f"failed ({len(errors)} failed flushes this step: {exc}); the updated state is kept in host "
-                f"memory and the previous copy in {store.file_path} is intact", store.file_path) from exc
+        failing = {}
+        for sg, store, exc in errors:
+            failing.setdefault(id(store), (store, f"flush of subgroup {sg.index} failed: {exc}"))
+        for store in self.stores:
+            # A scratch file deleted from its path (a tmp cleaner) is still reachable through the open
+            # descriptors: this step ran normally; move its subgroups off before anything is closed.
+            if not store.failed and id(store) not in failing and store.vanished():
+                failing[id(store)] = (store, f"its scratch file {store.file_path} vanished")
+        if failing:
+            try:
+                take_out_of_service(self, list(failing.values()))
+            except TierFailure as e:
+                e.step_completed = True   # every subgroup was updated and handed out (params_out)
+                raise
+            finally:
+                self.last_step_stats["failover"] = self.failover.as_dict()
+            return
+        self.last_step_stats["failover"] = self.failover.as_dict()
 
     def read_range(self, start: int, end: int) -> dict[str, torch.Tensor]:
         """fp32 CPU tensors ``param``, ``exp_avg``, ``exp_avg_sq`` of elements ``[start, end)``.
@@ -278,6 +315,8 @@ class OffloadAdam:
         if self._closed:
             return
         self._closed = True
+        for t in self._retiring:
+            t.join(self.config.io_timeout_s)
         self._finalizer()
         self._resident.clear()
         self.pool.trim()          # give the host memory back now, not at garbage collection
@@ -347,8 +386,11 @@ class OffloadAdam:
                     fut, buf = fetching.pop(pick)
                     try:
                         fut.result()
-                    except BaseException:
-                        pool.release(buf)
+                    except BaseException as e:
+                        if getattr(e, "errno", None) == errno.ETIMEDOUT:
+                            pool.abandon(buf)    # the timed-out read may still write into it
+                        else:
+                            pool.release(buf)
                         raise
                 t0 = time.perf_counter()
                 self._update(sg, buf, grads, params_out, hyper[sg.group], inv_loss_scale, clip_coef, stats)
@@ -369,8 +411,10 @@ class OffloadAdam:
             for fut, buf in fetching.values():
                 try:
                     fut.result()
-                except BaseException:
-                    pass
+                except BaseException as e:  # noqa: BLE001
+                    if getattr(e, "errno", None) == errno.ETIMEDOUT:
+                        pool.abandon(buf)
+                        continue
                 pool.release(buf)
             t0 = time.perf_counter()
             while flushing:
@@ -583,6 +627,33 @@ def _close_stores(stores) -> None:
         except Exception:  # noqa: BLE001 -- best effort at interpreter exit; close() reports errors itself
             pass
     stores.clear()
+
+
+def _check_tiers_and_sizes(config, plan) -> None:
+    """Paths usable (exist or creatable, writable directories, none listed twice; same device twice
+    is a warning) and a subgroup size that makes sense for this shard; errors name flag and value."""
+    from megatron_mlp.tier.validation import validate_tier_paths
+    for warning in validate_tier_paths(config.tiers).warnings:
+        logger.warning("%s", warning)
+    n, size = plan.numel, config.subgroup_params
+    if n and size < 1024:
+        logger.warning("--mlp-offload-subgroup-size: %d elements per subgroup is tiny: every array is padded to "
+                       "4096 bytes and each subgroup costs a request per tier; use at least a few million", size)
+    elif n >= (1 << 24) and size >= n:
+        logger.warning("--mlp-offload-subgroup-size: %d elements holds this rank's whole shard (%d elements) in "
+                       "one subgroup: no overlap of I/O and compute; use about a tenth of it", size, n)
+
+
+def _clean_stale_scratch(tiers) -> dict:
+    """Remove scratch dirs of dead owners from earlier (crashed) jobs; report what cannot be proven stale."""
+    from megatron_mlp.tier.scratch import clean_stale_scratch
+    out = {"removed": [], "reported": [], "removed_bytes": 0}
+    for spec in tiers:
+        scan = clean_stale_scratch(spec.path)
+        out["removed"] += [d for d, _ in scan.removed]
+        out["reported"] += [d for d, _ in scan.reported]
+        out["removed_bytes"] += scan.removed_bytes
+    return out
 
 
 def _default_engine_factory(config):

@@ -20,6 +20,7 @@ class TierStepStats:
     flushes: int = 0
     cache_hits: int = 0
     flush_errors: int = 0
+    io_retries: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **delta) -> None:
@@ -35,7 +36,7 @@ class TierStepStats:
             "token_wait_s": self.token_wait_s, "checksum_s": self.checksum_s,
             "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
             "fetches": self.fetches, "flushes": self.flushes, "cache_hits": self.cache_hits,
-            "flush_errors": self.flush_errors,
+            "flush_errors": self.flush_errors, "io_retries": self.io_retries,
             # Achieved while the lane was transferring (excludes token waits and checksums).
             "read_gbps": read_gbps, "write_gbps": write_gbps,
         }

@@ -16,8 +16,9 @@ engine, so it gets one lane per direction.
 """
 from __future__ import annotations
 
+import errno
+import logging
 import os
-import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,9 +27,13 @@ from dataclasses import dataclass, field
 from megatron_mlp.errors import IntegrityError, TierCapacityError, TierIOError
 from megatron_mlp.optim.stats import TierStepStats
 from megatron_mlp.optim.subgroups import Subgroup
+from megatron_mlp.tier.scratch import SCRATCH_PREFIX, create_scratch_dir, reserve_space  # noqa: F401
 
-SCRATCH_PREFIX = "mlp-offload-"
 STATE_FILE = "state.bin"
+logger = logging.getLogger("megatron_mlp.optim.store")
+# A failed request is retried once on the same tier (the good slot is untouched, so a retry is
+# safe); these errors are not worth a retry: the device is full or hangs.
+_NO_RETRY = (errno.ENOSPC, errno.EDQUOT, errno.ETIMEDOUT)
 
 
 @dataclass
@@ -72,10 +77,18 @@ class TierStore:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _token_lock: threading.Lock = field(default_factory=threading.Lock)
     _token_users: int = 0
+    scratch: object = None        # megatron_mlp.tier.scratch.ScratchDir (owner record + lock)
+    io_timeout_s: float | None = None   # a request not done by then fails with ETIMEDOUT
+    failed: str | None = None     # why this tier was taken out of service (failover), else None
+    end_offset: int = 0           # first byte after the last slot (failover appends here)
+    capacity_bytes: int | None = None
+    _inode: tuple | None = None
+    closed: bool = False
 
     @classmethod
     def create(cls, index: int, spec, subgroups: list[Subgroup], *, engine_factory, token_factory,
-               checksum: bool, job_tag: str) -> "TierStore":
+               checksum: bool, job_tag: str, io_timeout_s: float | None = None,
+               job_id: str = "", rank: int = 0) -> "TierStore":
         """Create the per-rank scratch dir (0700) and state file (0600) under ``spec.path``.
 
         Raises:
@@ -95,26 +108,46 @@ class TierStore:
                 f"--mlp-offload-paths: tier {spec.path} needs {need} bytes for {len(subgroups)} subgroups "
                 f"(two slots each) but has {free_bytes} free; {need - free_bytes} bytes are missing")
         try:
-            scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{job_tag}-", dir=spec.path)  # mode 0700
-            file_path = os.path.join(scratch, STATE_FILE)
-            fd = os.open(file_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            os.close(fd)
+            scratch_dir = create_scratch_dir(spec.path, job_tag, job_id=job_id, rank=rank)   # 0700, locked
+            scratch = scratch_dir.path
+            file_path = scratch_dir.file(STATE_FILE)                                           # 0600, O_EXCL|O_NOFOLLOW
         except OSError as e:
             raise TierIOError(e.errno, "--mlp-offload-paths: cannot create scratch state file", spec.path) from e
-        engine = engine_factory(spec)
-        handle = engine.open(file_path, create=False, direct=True)
+        try:
+            # Both slots of every subgroup, allocated now: a device filling up later (another
+            # job) cannot fail a flush with ENOSPC where the file system supports fallocate.
+            reserve_space(file_path, need)
+        except OSError as e:
+            scratch_dir.remove()
+            raise TierCapacityError(
+                f"--mlp-offload-paths: tier {spec.path} cannot reserve {need} bytes for {len(subgroups)} "
+                f"subgroups (two slots each): {e.strerror}; free space or lower the share of this path") from e
+        engines = []
+        try:
+            engine = engine_factory(spec)
+            engines.append(engine)
+            handle = engine.open(file_path, create=False, direct=True)
+            st = os.stat(file_path)
+            split = spec.qos_bytes_per_s is not None
+            write_engine, write_handle = engine, handle
+            if split:
+                write_engine = engine_factory(spec)
+                engines.append(write_engine)
+                write_handle = write_engine.open(file_path, create=False, direct=True)
+        except BaseException:
+            for e in engines:
+                e.close()
+            scratch_dir.remove()      # a tier that cannot start leaves nothing behind
+            raise
         records, offset = {}, 0
         for sg in subgroups:
             records[sg.index] = SlotRecord((offset, offset + sg.region_bytes))
             offset += 2 * sg.region_bytes
-        split = spec.qos_bytes_per_s is not None
-        write_engine, write_handle = engine, handle
-        if split:
-            write_engine = engine_factory(spec)
-            write_handle = write_engine.open(file_path, create=False, direct=True)
         store = cls(index=index, path=spec.path, scratch_dir=scratch, file_path=file_path, engine=engine,
                     handle=handle, token=token_factory(spec), checksum=checksum, split_lanes=split,
-                    records=records, write_engine=write_engine, write_handle=write_handle)
+                    records=records, write_engine=write_engine, write_handle=write_handle,
+                    scratch=scratch_dir, io_timeout_s=io_timeout_s, end_offset=offset,
+                    capacity_bytes=spec.capacity_bytes, _inode=(st.st_dev, st.st_ino))
         store._read_lane = ThreadPoolExecutor(1, thread_name_prefix=f"mlp-tier{index}-io")
         store._cpu = ThreadPoolExecutor(1, thread_name_prefix=f"mlp-tier{index}-crc")
         store._write_lane = (ThreadPoolExecutor(1, thread_name_prefix=f"mlp-tier{index}-wr")
@@ -179,7 +212,12 @@ class TierStore:
                 if not self.token.try_acquire():
                     self.token_busy = True   # the scheduler prefers subgroups of other tiers meanwhile
                     try:
-                        self.token.acquire()
+                        # Bounded like the I/O itself: a holder that never lets go (a stopped
+                        # process) must not stall this rank for ever.
+                        if not self.token.acquire(timeout=self.io_timeout_s):
+                            raise TierIOError(errno.ETIMEDOUT, f"the node-level token of tier {self.path} was "
+                                              f"not free within {self.io_timeout_s} s (--mlp-offload-io-timeout); "
+                                              "another process holds it", self.file_path)
                     finally:
                         self.token_busy = False
             self._token_users += 1
@@ -201,7 +239,8 @@ class TierStore:
 
         def read():
             t0 = time.perf_counter()
-            self.engine.read(self.handle, region, snapshot[1]).wait()
+            self._io(lambda: self.engine.read(self.handle, region, snapshot[1]), "read", snapshot[1],
+                     sg.region_bytes)
             self.stats.add(fetch_s=time.perf_counter() - t0, bytes_read=sg.region_bytes, fetches=1)
 
         self._with_token(read)
@@ -233,7 +272,8 @@ class TierStore:
 
         def write():
             t0 = time.perf_counter()
-            self.write_engine.write(self.write_handle, region, offset).wait()
+            self._io(lambda: self.write_engine.write(self.write_handle, region, offset), "write", offset,
+                     sg.region_bytes)
             self.stats.add(flush_s=time.perf_counter() - t0, bytes_written=sg.region_bytes, flushes=1)
 
         try:
@@ -243,6 +283,55 @@ class TierStore:
         with self._lock:
             # Switch only now: the old slot stayed the good copy until the new one was complete.
             rec.current, rec.crc, rec.generation = slot, crc, rec.generation + 1
+
+    def _io(self, submit, op: str, offset: int, length: int) -> None:
+        """Run one engine request to completion: bounded by ``io_timeout_s`` (ETIMEDOUT, never an
+        eternal wait) and retried once after an error other than ENOSPC / a timeout."""
+        for attempt in (0, 1):
+            try:
+                req = submit()
+                try:
+                    req.wait(self.io_timeout_s)
+                except TimeoutError as e:
+                    raise TierIOError(errno.ETIMEDOUT, f"{op} on tier {self.path} not finished after "
+                                      f"{self.io_timeout_s} s (--mlp-offload-io-timeout)", self.file_path,
+                                      offset, length) from e
+                return
+            except TierIOError as e:
+                if attempt or e.errno in _NO_RETRY or self.failed:
+                    raise
+                self.stats.add(io_retries=1)
+                logger.warning("tier %s: %s failed (%s); retrying once (the good copy is untouched)",
+                               self.path, op, e)
+
+    def vanished(self) -> bool:
+        """Whether the scratch file is gone from its path (deleted, or the directory replaced).
+
+        The open descriptors still reach the data, so the state can be moved elsewhere."""
+        try:
+            st = os.stat(self.file_path)
+        except OSError:
+            return True
+        return self._inode is not None and (st.st_dev, st.st_ino) != self._inode
+
+    def free_bytes(self) -> int:
+        """Bytes this tier can still take: free space, bounded by its ``cap=``."""
+        try:
+            vfs = os.statvfs(self.path)
+            free = vfs.f_bavail * vfs.f_frsize
+        except OSError:
+            return 0
+        if self.capacity_bytes is not None:
+            free = min(free, max(0, self.capacity_bytes - self.end_offset))
+        return free
+
+    def adopt(self, sg: Subgroup) -> None:
+        """Give ``sg`` two new slots at the end of this tier's file (failover; never written yet)."""
+        with self._lock:
+            # Reserved like the initial slots (OSError ENOSPC: no room here, try another tier).
+            reserve_space(self.file_path, self.end_offset + 2 * sg.region_bytes)
+            self.records[sg.index] = SlotRecord((self.end_offset, self.end_offset + sg.region_bytes))
+            self.end_offset += 2 * sg.region_bytes
 
     def _timed_crc(self, region) -> int:
         t0 = time.perf_counter()
@@ -257,7 +346,10 @@ class TierStore:
         return self.stats
 
     def close(self, remove: bool = True) -> None:
-        """Wait for in-flight I/O, close the file and the engine, remove the scratch dir."""
+        """Wait for in-flight I/O, close the file and the engine, remove the scratch dir. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
         for lane in {id(self._read_lane): self._read_lane, id(self._write_lane): self._write_lane}.values():
             if lane is not None:
                 lane.shutdown(wait=True)
@@ -272,16 +364,8 @@ class TierStore:
             self.engine.close()
             if self.write_engine is not self.engine:
                 self.write_engine.close()
-            if remove:
-                for p in (self.file_path,):
-                    try:
-                        os.unlink(p)
-                    except FileNotFoundError:
-                        pass
-                try:
-                    os.rmdir(self.scratch_dir)
-                except OSError:
-                    pass
+            if remove and self.scratch is not None:
+                self.scratch.remove()
 
 
 def _crc32c(region) -> int:

@@ -20,6 +20,7 @@ FROZEN = {
     "--mlp-offload-calibration": "`auto`",
     "--mlp-offload-runtime-dir": "(none)",
     "--mlp-offload-job-id": "(none)",
+    "--mlp-offload-io-timeout": "`300.0`",
     "--mlp-offload-no-checksum": "off",
     "--mlp-offload-no-multipath": "off",
     "--mlp-offload-no-tier-tokens": "off",

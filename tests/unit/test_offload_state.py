@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_mlp.config import MLPOffloadConfig
-from megatron_mlp.errors import IntegrityError, TierIOError
+from megatron_mlp.errors import IntegrityError, TierFailure, TierIOError  # noqa: F401
 from megatron_mlp.optim.offload_adam import LazyStateChunk, OffloadAdam
 from megatron_mlp.optim.reference_adam import ReferenceAdamW
 
@@ -133,17 +133,18 @@ def test_failed_flush_keeps_new_state_in_memory_and_previous_copy_readable(tier_
             ref.step(g)
         previous = {name: ref.state(name).clone() for name in STATES}
         store = opt.stores[0]
-        # The next write fails.
-        engines.engines[0].inject_fault(nth=1, err=errno.EIO, op="write")
+        # Writes fail from now on (the retry too), and there is no other tier to fail over to.
+        engines.engines[0].inject_fault(nth=1, err=errno.EIO, op="write", every=True)
         g = grads_for(2, torch.bfloat16)
-        with pytest.raises(TierIOError, match=r"kept in host memory.*intact"):
+        with pytest.raises(TierFailure, match=r"held in host memory"):
             opt.step(g)
+        engines.engines[0].clear_faults()
         ref.step(g)
-        assert opt.last_step_stats["tiers"][0]["flush_errors"] == 1
+        assert opt.last_step_stats["tiers"][0]["flush_errors"] == len(opt.plan)
         # Every subgroup was updated; the one whose flush failed lives in host memory.
         assert_state_equal(opt, ref)
-        failed = [i for i in opt._resident]
-        assert len(failed) == 1
+        failed = [int(m.split()[1]) for m in opt.flush_errors]   # "subgroup <i> on <tier>: ..."
+        assert sorted(failed) == sorted(opt._resident) == list(range(len(opt.plan)))
         sg = opt.plan[failed[0]]
         rec = store.records[sg.index]
         # Whatever the failed write left in its target slot (here: garbage) is never read:
@@ -158,12 +159,10 @@ def test_failed_flush_keeps_new_state_in_memory_and_previous_copy_readable(tier_
         flt = raw.view(torch.float32)
         assert torch.equal(flt[:sg.numel], previous["param"][sg.start:sg.end])
         assert torch.equal(flt[sg.padded_numel:sg.padded_numel + sg.numel], previous["exp_avg"][sg.start:sg.end])
-        # The next step retries the flush and the trajectory continues unharmed.
-        for step in range(3, 6):
-            g = grads_for(step, torch.bfloat16)
-            opt.step(g)
-            ref.step(g)
-        assert not opt._resident
+        # The optimizer stopped: a further step raises and changes nothing, while every subgroup's
+        # state stays readable (so a checkpoint can still be saved).
+        with pytest.raises(TierFailure):
+            opt.step(grads_for(3, torch.bfloat16))
         assert_state_equal(opt, ref)
 
 

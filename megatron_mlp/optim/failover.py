@@ -1,0 +1,169 @@
+"""Tier failover: when a tier fails, move its subgroups to the healthy tiers (or host memory).
+
+A tier is taken out of service when a write to it still fails after one retry (EIO, a short
+write the engine could not complete), at once on ENOSPC or a timeout, or when its scratch file
+vanished from its path. Every subgroup on it is then re-placed, one at a time:
+
+1. its newest state is taken from host memory when it is there (a failed flush keeps it there;
+   the host cache too), else read back from the failed tier's good slot -- still possible after
+   ENOSPC, and after the file was deleted (the open descriptor reaches the data);
+2. it gets two new slots at the end of the first healthy tier with room for them (config order:
+   fastest first) and is written there (same write discipline: the record switches only after
+   the write is complete); a tier that fails this write is taken out of service in turn;
+3. with no healthy tier left, it stays in host memory if the host-cache budget has room for it
+   (it then takes a cache slot for good);
+4. otherwise it is still held in host memory -- over budget, never dropped -- and the step ends
+   with :class:`megatron_mlp.errors.TierFailure`: the optimizer stops, but ``read_range`` /
+   ``state_dict`` still serve every subgroup, so a checkpoint (an emergency one) can be saved.
+
+A subgroup whose state can be read neither from host memory nor from the failed tier is
+reported as unreadable in the TierFailure: that part of the state must come from the last
+checkpoint (the guarantees page says when this can happen).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from megatron_mlp.errors import IntegrityError, TierFailure, TierIOError
+
+logger = logging.getLogger("megatron_mlp.optim.failover")
+
+
+@dataclass
+class FailoverStats:
+    """Cumulative over the optimizer's life; ``as_dict`` goes into ``last_step_stats['failover']``."""
+
+    failed_tiers: list = field(default_factory=list)     # [{"path", "reason"}]
+    subgroups_moved: int = 0
+    subgroups_in_host: int = 0
+    bytes_moved: int = 0
+    events: list = field(default_factory=list)           # human-readable, one per failed tier
+
+    def as_dict(self) -> dict:
+        return {"failed_tiers": list(self.failed_tiers), "subgroups_moved": self.subgroups_moved,
+                "subgroups_in_host": self.subgroups_in_host, "bytes_moved": self.bytes_moved,
+                "events": list(self.events)}
+
+
+def take_out_of_service(opt, stores_and_reasons) -> None:
+    """Fail over every given ``(store, reason)``; raise TierFailure when state could not be placed.
+
+    Called between steps (no I/O in flight). Mutates ``opt.tier_of``, ``opt._resident``,
+    ``opt._pinned`` and the stores' records.
+    """
+    queue = list(stores_and_reasons)
+    held_over_budget: list[int] = []
+    unreadable: list[int] = []
+    while queue:
+        store, reason = queue.pop(0)
+        if store.failed:
+            continue
+        store.failed = reason
+        opt.failover.failed_tiers.append({"path": store.path, "reason": reason})
+        moved = in_host = 0
+        subgroups = [opt.plan[i] for i, t in enumerate(opt.tier_of) if t == store.index and i not in opt._pinned]
+        for sg in subgroups:
+            buf, owned = _newest_copy(opt, store, sg)
+            if buf is None:
+                unreadable.append(sg.index)
+                continue
+            target = _place(opt, sg, buf, queue)
+            if target is not None:
+                opt.tier_of[sg.index] = target.index
+                moved += 1
+                opt.failover.bytes_moved += sg.region_bytes
+                if owned:
+                    opt.pool.release(buf)
+                elif sg.index not in opt._cache_keep:
+                    # A failed flush's retained buffer: its state is safe on the new tier now.
+                    opt._resident.pop(sg.index, None)
+                    opt.pool.release(buf)
+                continue
+            # No healthy tier can take it: host memory, within the cache budget if possible.
+            opt._resident[sg.index] = buf
+            opt._pinned.add(sg.index)
+            in_host += 1
+            if len(opt._pinned) > opt.cache_slots:
+                held_over_budget.append(sg.index)
+        opt.failover.subgroups_moved += moved
+        opt.failover.subgroups_in_host += in_host
+        msg = (f"tier {store.path} taken out of service ({reason}); {moved} subgroups moved to other tiers, "
+               f"{in_host} kept in host memory")
+        opt.failover.events.append(msg)
+        logger.warning("MLP-Offload failover: %s", msg)
+        if not any(t == store.index for t in opt.tier_of):
+            opt._retiring.append(_retire(store))   # everything moved; kept otherwise (its good slots are a fallback)
+    if held_over_budget or unreadable:
+        failed = ", ".join(t["path"] for t in opt.failover.failed_tiers)
+        parts = []
+        if held_over_budget:
+            parts.append(f"subgroups {sorted(opt._pinned)} are held in host memory beyond the host-cache budget "
+                         f"(--mlp-offload-host-cache): save a checkpoint now (read_range/state_dict still serve "
+                         f"them) and restart with healthy --mlp-offload-paths")
+        if unreadable:
+            parts.append(f"subgroups {sorted(unreadable)} could not be read back from the failed tier and are not "
+                         f"in host memory: restore them from the last checkpoint")
+        exc = TierFailure(errno.EIO, f"no healthy tier can take the optimizer state (failed: {failed}); "
+                          + "; ".join(parts), held_in_host=sorted(opt._pinned), unreadable=sorted(unreadable))
+        opt._halted = exc
+        raise exc
+
+
+def _newest_copy(opt, store, sg):
+    """(buffer, owned): the host buffer holding sg's newest state; owned = acquired here for a read."""
+    if sg.index in opt._resident:
+        return opt._resident[sg.index], False
+    rec = store.records.get(sg.index)
+    if rec is None or rec.current is None:
+        return None, False
+    buf = opt.pool.try_acquire() or opt.pool.try_acquire(force=True)
+    try:
+        store.read_now(sg, buf)
+    except (TierIOError, IntegrityError, OSError) as e:
+        logger.error("MLP-Offload failover: subgroup %d cannot be read back from failed tier %s: %s",
+                     sg.index, store.path, e)
+        if getattr(e, "errno", None) == errno.ETIMEDOUT:
+            opt.pool.abandon(buf)      # a hung read may still write into it
+        else:
+            opt.pool.release(buf)
+        return None, False
+    return buf, True
+
+
+def _place(opt, sg, buf, queue):
+    """Write sg's state to the first healthy tier with room; the store, or None."""
+    for target in opt.stores:
+        if target.failed or any(s is target for s, _ in queue):
+            continue
+        if target.free_bytes() < 2 * sg.region_bytes:
+            continue
+        try:
+            target.adopt(sg)
+        except OSError:
+            continue              # no room on that tier after all (it stays in service)
+        try:
+            target.write_now(sg, buf)
+        except (TierIOError, OSError) as e:
+            target.records.pop(sg.index, None)
+            queue.append((target, f"write during failover failed: {e}"))
+            continue
+        return target
+    return None
+
+
+def _retire(store) -> threading.Thread:
+    """Close a failed tier in the background: a hung device must not hold up training
+    (``OffloadAdam.close`` waits for it, at most one I/O timeout)."""
+    t = threading.Thread(target=_close_quietly, args=(store,), name=f"mlp-retire-tier{store.index}", daemon=True)
+    t.start()
+    return t
+
+
+def _close_quietly(store) -> None:
+    try:
+        store.close(remove=True)
+    except Exception as e:  # noqa: BLE001 -- the tier already failed; report, do not raise
+        logger.warning("closing failed tier %s: %s", store.path, e)

@@ -1,0 +1,70 @@
+"""The Megatron layer's answer to a TierFailure after a completed step: ask Megatron-LM's
+exit-signal handler for a checkpoint when it is on, raise otherwise; and a node-level token
+that is never released bounds the wait like any I/O."""
+from __future__ import annotations
+
+import errno
+import signal
+import sys
+import types
+
+import pytest
+import torch
+
+from megatron_mlp.errors import TierFailure, TierIOError
+
+pytest.importorskip("megatron_mlp._C", reason="the C++ core is not built")
+
+
+def _failure():
+    e = TierFailure(errno.EIO, "no healthy tier", held_in_host=[0, 1])
+    e.step_completed = True
+    return e
+
+
+@pytest.fixture
+def optimizer_class():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from megatron_mlp.megatron.optimizer import MLPOffloadDistributedOptimizer
+    return MLPOffloadDistributedOptimizer
+
+
+def _fake_megatron_args(monkeypatch, **args):
+    mod = types.ModuleType("megatron.training")
+    mod.get_args = lambda: types.SimpleNamespace(**args)
+    monkeypatch.setitem(sys.modules, "megatron.training", mod)
+
+
+def test_tier_failure_sends_megatrons_exit_signal_when_its_handler_is_on(optimizer_class, monkeypatch):
+    _fake_megatron_args(monkeypatch, exit_signal_handler=True, exit_signal=signal.SIGUSR1)
+    got = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+    try:
+        optimizer_class._on_tier_failure(object(), _failure())   # returns: Megatron saves, then exits
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert got == [signal.SIGUSR1]
+
+
+def test_tier_failure_is_raised_when_megatrons_exit_signal_handler_is_off(optimizer_class, monkeypatch):
+    _fake_megatron_args(monkeypatch, exit_signal_handler=False)
+    with pytest.raises(TierFailure, match="no healthy tier"):
+        optimizer_class._on_tier_failure(object(), _failure())
+
+
+def test_a_token_never_released_by_another_process_fails_the_request_with_etimedout(tmp_path, disk_dir):
+    from megatron_mlp.config import MLPOffloadConfig
+    from megatron_mlp.optim.offload_adam import OffloadAdam
+    from megatron_mlp.tier import TierToken
+    runtime = str(tmp_path / "tokens")
+    config = MLPOffloadConfig.from_paths(disk_dir, subgroup_params=1000, calibration="off", runtime_dir=runtime,
+                                         io_timeout_s=0.5, host_cache_bytes=0)
+    with OffloadAdam(config, [(0, 3000)], [{"lr": 1e-3}]) as opt:
+        holder = TierToken(disk_dir, runtime_dir=runtime)    # e.g. a stopped process of the node
+        assert holder.acquire(timeout=5)
+        try:
+            with pytest.raises(TierIOError) as info:
+                opt.step(torch.zeros(3000, dtype=torch.bfloat16))
+            assert info.value.errno == errno.ETIMEDOUT and "token" in str(info.value)
+        finally:
+            holder.release()
