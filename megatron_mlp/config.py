@@ -43,8 +43,9 @@ class MLPOffloadConfig:
     """--mlp-offload-io-block-size: bytes per I/O task."""
     queue_depth: int = 8
     """--mlp-offload-io-queue-depth: I/O tasks in flight per engine."""
-    io_threads: int = 4
-    """--mlp-offload-io-threads: workers of the thread-pool backend."""
+    io_threads: int = 8
+    """--mlp-offload-io-threads: workers of the thread-pool backend (as many as the queue depth, so
+    every queued task can be in flight when io_uring is unavailable)."""
     calibration: str = "auto"
     """--mlp-offload-calibration: 'auto' (measure once per node, cached), 'off', or a JSON file."""
     runtime_dir: str | None = None

@@ -29,6 +29,8 @@ ENV_CPU = "MLP_OFFLOAD_CPU"
 
 _COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMbBgG]?)\s*$")
 _COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
+# Flag defaults come from the config's own defaults, so the two can never drift apart.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MLPOffloadConfig)}
 
 
 def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -58,12 +60,12 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--mlp-offload-host-cache", type=str, default="0", metavar="SIZE",
                    help="Host memory per rank that keeps subgroups' state between steps "
                         "(e.g. 8GB, 16GiB; 0 = no cache).")
-    g.add_argument("--mlp-offload-prefetch-depth", type=int, default=2, metavar="N",
+    g.add_argument("--mlp-offload-prefetch-depth", type=int, default=_DEFAULTS["prefetch_depth"], metavar="N",
                    help="Subgroups fetched from storage ahead of the one being updated.")
-    g.add_argument("--mlp-offload-flush-depth", type=int, default=1, metavar="N",
+    g.add_argument("--mlp-offload-flush-depth", type=int, default=_DEFAULTS["flush_depth"], metavar="N",
                    help="Updated subgroups whose write-back to storage may be in flight at once. Host memory "
                         "per rank: host cache + (prefetch depth + flush depth + 1) subgroup buffers.")
-    g.add_argument("--mlp-offload-tokens-per-tier", type=int, default=1, metavar="N",
+    g.add_argument("--mlp-offload-tokens-per-tier", type=int, default=_DEFAULTS["tokens_per_tier"], metavar="N",
                    help="Processes of one node that may do I/O on one physical tier at a time.")
     g.add_argument("--mlp-offload-order", type=str, default="alternate", choices=ORDER_POLICIES,
                    help="Subgroup order: 'alternate' (ascending, then descending, so the subgroups "
@@ -72,10 +74,11 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="I/O backend: 'auto' picks io_uring where the kernel allows it, else threads.")
     g.add_argument("--mlp-offload-io-block-size", type=str, default="1MiB", metavar="SIZE",
                    help="Bytes per I/O task, a multiple of 4096 (e.g. 1MiB, 2MiB).")
-    g.add_argument("--mlp-offload-io-queue-depth", type=int, default=8, metavar="N",
+    g.add_argument("--mlp-offload-io-queue-depth", type=int, default=_DEFAULTS["queue_depth"], metavar="N",
                    help="I/O tasks in flight per engine.")
-    g.add_argument("--mlp-offload-io-threads", type=int, default=4, metavar="N",
-                   help="Worker threads of the thread-pool I/O backend.")
+    g.add_argument("--mlp-offload-io-threads", type=int, default=_DEFAULTS["io_threads"], metavar="N",
+                   help="Worker threads of the thread-pool I/O backend (as many as the queue depth, so every "
+                        "queued task can be in flight when io_uring is unavailable).")
     g.add_argument("--mlp-offload-calibration", type=str, default="auto", metavar="auto|off|FILE",
                    help="Tier bandwidths: 'auto' measures once per node and caches the result "
                         "(megatron-mlp calibrate), 'off' uses bw= options or equal shares, "
@@ -86,7 +89,7 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--mlp-offload-job-id", type=str, default=None, metavar="ID",
                    help="Names this job's scratch directories on the tiers (<path>/...<ID>-r<rank>-...). "
                         "Default: $SLURM_JOB_ID, $PBS_JOBID or torchrun's $TORCHELASTIC_RUN_ID, else 'job'.")
-    g.add_argument("--mlp-offload-io-timeout", type=float, default=300.0, metavar="SECONDS",
+    g.add_argument("--mlp-offload-io-timeout", type=float, default=_DEFAULTS["io_timeout_s"], metavar="SECONDS",
                    help="A tier read or write not finished after this long fails with ETIMEDOUT (never an "
                         "endless wait); the tier is taken out of service and its subgroups move to the others.")
     g.add_argument("--mlp-offload-no-checksum", dest="mlp_offload_checksum", action="store_false",
