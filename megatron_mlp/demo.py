@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-size", type=int, default=512, help="GPT hidden size (default 512)")
     p.add_argument("--num-layers", type=int, default=4, help="GPT layers (default 4)")
     p.add_argument("--vocab-size", type=int, default=32768, help="vocabulary (default 32768)")
+    p.add_argument("--paths", default=None,
+                   help="tier paths as for --mlp-offload-paths, e.g. '/local/nvme/x;/lustre/x' "
+                        "(default: two directories under the work dir)")
     p.add_argument("--subgroup-size", type=int, default=2_000_000, help="elements per subgroup (default 2M)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout and nothing else")
     return p
@@ -172,11 +175,15 @@ def main(argv: list[str] | None = None) -> int:
                        num_attention_heads=8, seq_length=128, micro_batch_size=2)
     own_dir = args.workdir is None
     workdir = args.workdir or tempfile.mkdtemp(prefix="mlp-offload-demo-", dir="/var/tmp")
-    tiers = [os.path.join(workdir, name) for name in ("tier-a", "tier-b")]
-    for t in tiers:
-        os.makedirs(t, exist_ok=True)
+    if args.paths:
+        paths = args.paths
+    else:
+        tiers = [os.path.join(workdir, name) for name in ("tier-a", "tier-b")]
+        for t in tiers:
+            os.makedirs(t, exist_ok=True)
+        paths = ";".join(tiers)
     try:
-        mlp = MLPOffloadConfig.from_paths(";".join(tiers), subgroup_params=args.subgroup_size,
+        mlp = MLPOffloadConfig.from_paths(paths, subgroup_params=args.subgroup_size,
                                           host_cache_bytes=2 * 12 * args.subgroup_size, calibration="off")
         r_mlp = _run("mlp-offload", spec, mlp, args.iters, log)
         r_base = _run("zero3-style", spec, mlp, args.iters, log, inner_factory=_ZeroStyleInner)
@@ -190,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         "losses_equal": r_mlp["losses"] == r_base["losses"],
         "breakdown_mlp": r_mlp["breakdown"], "breakdown_baseline": r_base["breakdown"],
         "iters": args.iters, "device": "cuda" if torch.cuda.is_available() else "cpu (harness)",
-        "note": "both tier paths are directories on this machine's disk",
+        "paths": [t.path for t in mlp.tiers],
+        "note": ("tier paths as given by --paths" if args.paths
+                 else "both tier paths are directories under the work dir (one device)"),
     }
     if args.json:
         print(json.dumps(result))

@@ -14,11 +14,17 @@ pytestmark = pytest.mark.megatron
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_demo_json_reports_equal_losses_and_a_speedup_when_run_tiny(tmp_path):
+@pytest.mark.parametrize("explicit_paths", [False, True], ids=["default-paths", "given-paths"])
+def test_demo_json_reports_equal_losses_and_a_speedup_when_run_tiny(tmp_path, explicit_paths):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    extra = []
+    if explicit_paths:
+        given = [tmp_path / "nvme", tmp_path / "pfs"]
+        extra = ["--paths", f"{given[0]};{given[1]}:qos=1GB/s"]
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_mlp", "demo", "--iters", "3", "--workdir", str(tmp_path),
-         "--hidden-size", "64", "--num-layers", "1", "--vocab-size", "1024", "--subgroup-size", "8192", "--json"],
+         "--hidden-size", "64", "--num-layers", "1", "--vocab-size", "1024", "--subgroup-size", "8192", "--json",
+         *extra],
         capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)  # nothing else on stdout
@@ -30,3 +36,6 @@ def test_demo_json_reports_equal_losses_and_a_speedup_when_run_tiny(tmp_path):
     assert any(k.startswith("fetch-tier") for k in result["breakdown_mlp"])
     assert "iter   3/3" in proc.stderr  # progress goes to stderr with --json
     assert os.path.isdir(tmp_path)  # a given workdir is kept; its tier files are cleaned
+    if explicit_paths:
+        assert result["paths"] == [str(g) for g in given]
+        assert all(os.listdir(g) == [] for g in given)  # scratch removed from the given paths too
