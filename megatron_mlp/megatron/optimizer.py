@@ -72,12 +72,6 @@ def _default_inner_factory(mlp_config, group_ranges, param_groups, initial_param
                        initial_params=initial_params, rank=rank, ranks_per_node=max(1, ranks_per_node))
 
 
-def _adam_hparams(group: dict) -> dict:
-    # Megatron's param groups carry betas/eps/lr/weight_decay (torch/TE Adam) plus its own keys
-    # (wd_mult, lr_mult, is_expert_parallel, ...); the offload optimizer reads the Adam ones.
-    return group
-
-
 class _OffloadInner:
     """The inner optimizer object Megatron's DistributedOptimizer talks to.
 
