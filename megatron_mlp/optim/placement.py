@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from megatron_mlp.optim.schedule import cache_slots
 from megatron_mlp.optim.subgroups import SubgroupPlan
+from megatron_mlp.tier.spec import shares_rw_limit
 
 DEFAULT_BYTES_PER_S = 1e9
 
@@ -32,7 +33,7 @@ def placement_tiers(config, ranks_per_node: int = 1):
                 source = "declared"
         out.append(PlacementTier(path=spec.path, read_bytes_per_s=float(read), write_bytes_per_s=float(write),
                                  capacity_bytes=spec.capacity_bytes,
-                                 shared_rw_limit=spec.qos_bytes_per_s is None, bandwidth_source=source))
+                                 shared_rw_limit=shares_rw_limit(spec), bandwidth_source=source))
     return out
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from megatron_mlp.errors import IntegrityError, TierCapacityError, TierIOError
 from megatron_mlp.optim.stats import TierStepStats
 from megatron_mlp.optim.subgroups import Subgroup
+from megatron_mlp.tier.spec import shares_rw_limit
 from megatron_mlp.tier.scratch import SCRATCH_PREFIX, create_scratch_dir, reserve_space  # noqa: F401
 
 STATE_FILE = "state.bin"
@@ -128,7 +129,7 @@ class TierStore:
             engines.append(engine)
             handle = engine.open(file_path, create=False, direct=True)
             st = os.stat(file_path)
-            split = spec.qos_bytes_per_s is not None
+            split = not shares_rw_limit(spec)  # separate read/write budgets: one lane each
             write_engine, write_handle = engine, handle
             if split:
                 write_engine = engine_factory(spec)

@@ -28,6 +28,18 @@ class TierSpec:
     take it from calibration (or assume shared, the conservative choice). Option ``rw=shared|separate``."""
 
 
+def shares_rw_limit(spec: TierSpec) -> bool:
+    """Whether a tier's reads and writes share one bandwidth limit.
+
+    The user's ``rw=`` option decides; without it a ``qos=`` cap means separate read and write
+    budgets (the engine enforces two token buckets), and anything else is assumed shared, the
+    conservative choice for a disk (a reader and a writer together reach about one alone's rate).
+    """
+    if spec.shared_rw_limit is not None:
+        return spec.shared_rw_limit
+    return spec.qos_bytes_per_s is None
+
+
 def parse_size(text: str, flag: str, what: str = "size") -> int:
     """Parse '100GB', '1.5GiB', '4096' into bytes; errors name the flag and the text."""
     m = _SIZE_RE.match(text)
