@@ -404,7 +404,7 @@ def load_calibration_file(file_path: str, paths, flag: str = "--mlp-offload-cali
 
 
 def resolve_bandwidth(spec: TierSpec, cal: PathCalibration | None) -> TierBandwidth:
-    """Declared > measured > default, per direction; a qos= cap bounds both directions."""
+    """Declared > measured > qos > default, per direction; a qos= cap bounds both directions."""
     sources = set()
     rw = []
     for declared, measured in ((spec.read_bytes_per_s, cal.read_bytes_per_s if cal else None),
@@ -415,6 +415,9 @@ def resolve_bandwidth(spec: TierSpec, cal: PathCalibration | None) -> TierBandwi
         elif measured is not None:
             rw.append(float(measured))
             sources.add("measured")
+        elif spec.qos_bytes_per_s is not None:
+            rw.append(float(spec.qos_bytes_per_s))  # the cap is the best figure there is
+            sources.add("qos")
         else:
             rw.append(DEFAULT_BYTES_PER_S)
             sources.add("default")
@@ -425,6 +428,9 @@ def resolve_bandwidth(spec: TierSpec, cal: PathCalibration | None) -> TierBandwi
         shared, shared_src = spec.shared_rw_limit, "declared"
     elif cal is not None:
         shared, shared_src = cal.shared_rw_limit, "measured"
+    elif spec.qos_bytes_per_s is not None:
+        # The engine enforces the cap with separate read and write budgets (tier.spec.shares_rw_limit).
+        shared, shared_src = False, "qos"
     else:
         shared, shared_src = True, "default"  # conservative: time adds
     return TierBandwidth(read_bytes_per_s=rw[0], write_bytes_per_s=rw[1], source=source,

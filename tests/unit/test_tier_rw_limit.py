@@ -30,3 +30,19 @@ def test_placement_tiers_honour_rw_option_when_given():
 def test_rw_option_rejects_other_values_naming_the_flag():
     with pytest.raises(ConfigError, match="--mlp-offload-paths.*rw="):
         parse_tier_paths("/a:rw=sometimes")
+
+
+@pytest.mark.parametrize("text", ["/d", "/d:qos=1GB/s", "/d:rw=separate", "/d:qos=1GB/s,rw=shared"])
+def test_plan_and_optimizer_agree_on_the_limit_when_nothing_is_measured(text):
+    from megatron_mlp.tier.calibration import resolve_bandwidth
+
+    (spec,) = parse_tier_paths(text)
+    assert resolve_bandwidth(spec, None).shared_rw_limit is shares_rw_limit(spec)
+
+
+def test_qos_cap_is_the_bandwidth_figure_when_nothing_else_is_known():
+    from megatron_mlp.tier.calibration import resolve_bandwidth
+
+    (spec,) = parse_tier_paths("/d:qos=0.5GB/s")
+    bw = resolve_bandwidth(spec, None)
+    assert (bw.read_bytes_per_s, bw.write_bytes_per_s, bw.source) == (0.5e9, 0.5e9, "qos")
