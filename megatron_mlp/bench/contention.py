@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -24,6 +23,7 @@ import time
 import uuid
 
 from megatron_mlp.errors import ConfigError
+from megatron_mlp.tier.calibration import worker_mp_context
 from megatron_mlp.tier.placement import human_bytes
 from megatron_mlp.tier.spec import parse_size
 
@@ -86,20 +86,10 @@ def _proc(directory: str, nbytes: int, chunk: int, use_tokens: bool, runtime_dir
         queue.put(("error", f"{type(e).__name__}: {e}"))
 
 
-def _mp_context(preload: list[str]):
-    """Worker processes that never inherit an engine's threads: from a fork server (started once,
-    with the imports preloaded, so each worker starts in milliseconds), else spawned."""
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(preload)
-        return ctx
-    return mp.get_context("spawn")
-
-
 def run_once(directory: str, procs: int, nbytes: int, chunk: int, use_tokens: bool, runtime_dir: str | None,
              block_bytes: int = 1 << 20, queue_depth: int = 8, slots: int = 1) -> dict:
     """One round: ``procs`` worker processes (no engine thread is ever forked), started together."""
-    ctx = _mp_context(["megatron_mlp.engine", "megatron_mlp.tier.tokens", "megatron_mlp.bench.contention"])
+    ctx = worker_mp_context(["megatron_mlp.engine", "megatron_mlp.tier.tokens", "megatron_mlp.bench.contention"])
     barrier, queue = ctx.Barrier(procs), ctx.Queue()
     ps = [ctx.Process(target=_proc, args=(directory, nbytes, chunk, use_tokens, runtime_dir, block_bytes,
                                           queue_depth, slots, barrier, queue)) for _ in range(procs)]

@@ -260,7 +260,7 @@ def _worker(queue, args) -> None:
         queue.put(("error", f"{type(e).__name__}: {e}"))
 
 
-def _mp_context(preload: list[str]):
+def worker_mp_context(preload: list[str]):
     """Worker processes that never inherit an engine's threads: from a fork server (started once,
     with the imports preloaded, so each worker starts in milliseconds), else spawned."""
     if "forkserver" in mp.get_all_start_methods():
@@ -272,7 +272,7 @@ def _mp_context(preload: list[str]):
 
 def _run_procs(jobs: list[tuple], timeout: float = 600.0) -> list[dict]:
     """Run one :func:`_io_pass` per job in its own worker process; all start together."""
-    ctx = _mp_context(["megatron_mlp.engine", "megatron_mlp.tier.calibration"])
+    ctx = worker_mp_context(["megatron_mlp.engine", "megatron_mlp.tier.calibration"])
     barrier = ctx.Barrier(len(jobs))
     queue = ctx.Queue()
     procs = []
