@@ -136,3 +136,13 @@ def test_pin_is_a_no_op_without_cuda(eng, monkeypatch):
 def test_alloc_raises_memory_error_naming_the_size_when_the_mapping_fails(eng):
     with pytest.raises(MemoryError, match=str(1 << 60)):
         eng.alloc(1 << 60)
+
+
+@pytest.mark.parametrize("nbytes", [2 << 20, (2 << 20) + 4096, 33 << 20])
+def test_buffers_of_2_mib_and_more_start_on_a_huge_page_boundary(eng, nbytes):
+    # One block-layer segment per 1 MiB O_DIRECT request needs physically contiguous memory;
+    # transparent huge pages only back 2 MiB-aligned ranges.
+    buf = eng.alloc(nbytes)
+    assert buf.address % (2 << 20) == 0
+    buf.numpy()[:] = 1  # the whole mapping is usable
+    assert int(buf.numpy().sum()) == nbytes
