@@ -23,6 +23,7 @@ import time
 from megatron_mlp.errors import ConfigError, EngineUnavailable
 
 GB = 1e9
+_DS_VARIANTS = ("deepspeed", "engine_on_deepspeed_buffer")
 
 
 def _parse_args(argv):
@@ -39,7 +40,8 @@ def _parse_args(argv):
     p.add_argument("--fio-ioengine", default="io_uring", help="fio's ioengine for the baseline (default io_uring)")
     p.add_argument("--no-fio", action="store_true", help="skip the fio baseline even when fio is installed")
     p.add_argument("--vs-deepspeed", action="store_true",
-                   help="also measure DeepSpeed's aio_handle on pinned buffers (when deepspeed is importable)")
+                   help="also measure DeepSpeed's aio_handle (when deepspeed is importable), on its own "
+                        "page-locked buffer and on the engine's buffer")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout and nothing else")
     return p.parse_args(argv)
 
@@ -115,15 +117,14 @@ def _stdout_to_stderr():
         os.close(saved)
 
 
-def _deepspeed_pass_factory(a, path: str):
-    """Returns (callable(write) -> bytes/s, description) or (None, reason).
+def _deepspeed_handle(a):
+    """Returns (aio_handle, description) or (None, reason).
 
     DeepSpeed's defaults for its aio handle (ZeRO-Infinity): one thread, overlap_events, the
-    same block size and queue depth as the engine; buffer page-locked (pinned when CUDA is there).
+    same block size and queue depth as the engine.
     """
     try:
         with _stdout_to_stderr():
-            import torch
             from deepspeed.ops.op_builder import AsyncIOBuilder
     except Exception as e:  # deepspeed is an optional extra
         return None, f"deepspeed is not importable ({type(e).__name__}: {e})"
@@ -131,12 +132,24 @@ def _deepspeed_pass_factory(a, path: str):
         with _stdout_to_stderr():
             aio = AsyncIOBuilder().load(verbose=False)
             handle = aio.aio_handle(a.block_bytes, a.queue_depth, False, True, 1)
-            if torch.cuda.is_available():
-                tensor = torch.empty(a.size_bytes, dtype=torch.uint8).pin_memory()
-            else:
-                tensor = handle.new_cpu_locked_tensor(a.size_bytes, torch.empty(0, dtype=torch.uint8))
     except Exception as e:
         return None, f"deepspeed aio_handle unavailable ({type(e).__name__}: {e})"
+    return handle, "deepspeed aio_handle (1 thread, overlap_events)"
+
+
+def _deepspeed_own_buffer(handle, nbytes: int):
+    """The buffer DeepSpeed gives its swapper: pinned by CUDA, else its own page-locked tensor."""
+    import torch
+
+    with _stdout_to_stderr():
+        if torch.cuda.is_available():
+            return torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        return handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
+
+
+def _deepspeed_pass(handle, tensor, path: str):
+    """callable(write) -> bytes/s: one synchronous whole-file pass of DeepSpeed's handle."""
+    nbytes = tensor.numel() * tensor.element_size()
 
     def run(write: bool) -> float:
         with _stdout_to_stderr():
@@ -145,9 +158,9 @@ def _deepspeed_pass_factory(a, path: str):
             dt = time.perf_counter() - t0
         if rc is not None and rc < 0:
             raise RuntimeError(f"deepspeed aio {'write' if write else 'read'} returned {rc}")
-        return a.size_bytes / dt
+        return nbytes / dt
 
-    return run, "deepspeed aio_handle (1 thread, overlap_events), page-locked buffer"
+    return run
 
 
 # ---- driver ---------------------------------------------------------------------------------------
@@ -179,8 +192,12 @@ def run(a) -> dict:
         os.close(fd)
         results: dict[str, dict[str, list[float]]] = {name: {"write": [], "read": []} for name in engines}
         fio_res: dict[str, list[float]] = {"write": [], "read": []}
-        ds_res: dict[str, list[float]] = {"write": [], "read": []}
-        ds_run, ds_note = (None, "not requested")
+        # DeepSpeed on its own page-locked buffer (what its swapper uses), and the engine on that
+        # same buffer (4 KiB pages): the pair isolates the I/O path from the buffer's page size.
+        ds_res: dict[str, dict[str, list[float]]] = {v: {"write": [], "read": []} for v in _DS_VARIANTS}
+        ds_runs: dict[str, object] = {}
+        ds_note = "not requested"
+        ds_file = None
         try:
             first = next(iter(engines.values()))
             buf = first.alloc(min(a.buffer_bytes, a.size_bytes))
@@ -189,15 +206,23 @@ def run(a) -> dict:
             _engine_pass(first, f0, buf, a.size_bytes, write=True)  # lay the file out once, unmeasured
             f0.close()
             if a.vs_deepspeed:
-                ds_run, ds_note = _deepspeed_pass_factory(a, path)
+                handle, ds_note = _deepspeed_handle(a)
+                if handle is not None:
+                    # Not torch.from_numpy(engine buffer) for DeepSpeed: a tensor it did not pin
+                    # goes through its bounce buffer, which would measure a copy, not its I/O.
+                    ds_tensor = _deepspeed_own_buffer(handle, a.size_bytes)
+                    ds_runs["deepspeed"] = _deepspeed_pass(handle, ds_tensor, path)
+                    primary_engine = engines.get("io_uring") or first
+                    ds_file = primary_engine.open(path)
+                    ds_runs["engine_on_deepspeed_buffer"] = lambda w: _engine_pass(
+                        primary_engine, ds_file, ds_tensor, a.size_bytes, w)
             handles = {name: eng.open(path) for name, eng in engines.items()}
             for rep in range(a.repeats):
                 runners = [(name, lambda w, n=name: _engine_pass(engines[n], handles[n], buf, a.size_bytes, w))
                            for name in engines]
                 if use_fio:
                     runners.append(("fio", lambda w: _fio_pass(a, path, w)))
-                if ds_run is not None:
-                    runners.append(("deepspeed", ds_run))
+                runners.extend(ds_runs.items())
                 if rep % 2:
                     runners.reverse()  # alternate who goes first so drift is shared
                 for write in (True, False):
@@ -206,12 +231,14 @@ def run(a) -> dict:
                         key = "write" if write else "read"
                         if name == "fio":
                             fio_res[key].append(bw)
-                        elif name == "deepspeed":
-                            ds_res[key].append(bw)
+                        elif name in ds_res:
+                            ds_res[name][key].append(bw)
                         else:
                             results[name][key].append(bw)
             for h in handles.values():
                 h.close()
+            if ds_file is not None:
+                ds_file.close()
         finally:
             os.unlink(path)
     finally:
@@ -244,11 +271,25 @@ def run(a) -> dict:
         out["fio"] = None if a.no_fio else "fio is not installed"
     out["backends"] = per_backend
     if a.vs_deepspeed:
-        if ds_res["read"]:
-            ds = {"note": ds_note, "write": _summary(ds_res["write"]), "read": _summary(ds_res["read"])}
+        if ds_runs:
+            def versus(variant: str) -> dict:
+                r = ds_res[variant]
+                entry = {"write": _summary(r["write"]), "read": _summary(r["read"])}
+                for key in ("read", "write"):  # engine/deepspeed, paired by repeat as for fio
+                    entry[f"ratio_{key}"] = statistics.median(
+                        e / d for e, d in zip(results[primary][key], r[key]))
+                return entry
+
+            ds = {"note": f"{ds_note}, its own page-locked buffer", **versus("deepspeed")}
+            same = versus("deepspeed")
+            same_engine = ds_res["engine_on_deepspeed_buffer"]
             for key in ("read", "write"):
-                ds[f"ratio_{key}"] = statistics.median(
-                    e / d for e, d in zip(results[primary][key], ds_res[key]))
+                same[f"ratio_{key}"] = statistics.median(
+                    e / d for e, d in zip(same_engine[key], ds_res["deepspeed"][key]))
+            ds["same_buffer"] = {
+                "note": f"engine ({primary}) on DeepSpeed's page-locked buffer (4 KiB pages) vs DeepSpeed on it",
+                "engine_write": _summary(same_engine["write"]), "engine_read": _summary(same_engine["read"]),
+                "ratio_read": same["ratio_read"], "ratio_write": same["ratio_write"]}
             out["deepspeed"] = ds
         else:
             out["deepspeed"] = f"unavailable: {ds_note}"
@@ -281,6 +322,9 @@ def _print_human(r: dict) -> None:
     if isinstance(ds, dict):
         print(f"{'deepspeed':<17}{fmt(ds['write']):<20}{fmt(ds['read']):<20}"
               f"engine/deepspeed: write {ds['ratio_write']:.3f} read {ds['ratio_read']:.3f}")
+        same = ds["same_buffer"]
+        print(f"{'engine, DS buffer':<17}{fmt(same['engine_write']):<20}{fmt(same['engine_read']):<20}"
+              f"engine/deepspeed, same buffer: write {same['ratio_write']:.3f} read {same['ratio_read']:.3f}")
     elif ds:
         print(f"deepspeed: {ds}")
 

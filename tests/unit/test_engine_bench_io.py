@@ -65,3 +65,68 @@ def test_bad_arguments_exit_2_naming_the_flag(disk_dir, capsys, args, flag):
     argv = ["--path", disk_dir, *TINY, *args]
     assert bench_io.main(argv) == 2
     assert flag in capsys.readouterr().err
+
+
+class _FakeAioHandle:
+    """Stands in for DeepSpeed's aio_handle: plain pread/pwrite of the whole tensor, recording
+    which buffers it was handed."""
+
+    def __init__(self, *args):
+        self.args = args
+        self.buffers = set()
+
+    def new_cpu_locked_tensor(self, nbytes, like):
+        import torch
+        return torch.zeros(nbytes, dtype=like.dtype)
+
+    def _io(self, tensor, path, write):
+        import os
+        self.buffers.add(tensor.data_ptr())
+        view = tensor.numpy()
+        fd = os.open(path, os.O_RDWR)
+        try:
+            n = os.pwrite(fd, view.tobytes(), 0) if write else os.preadv(fd, [memoryview(view)], 0)
+        finally:
+            os.close(fd)
+        assert n == view.nbytes
+        return 0
+
+    def sync_pwrite(self, tensor, path):
+        return self._io(tensor, path, True)
+
+    def sync_pread(self, tensor, path):
+        return self._io(tensor, path, False)
+
+
+def test_vs_deepspeed_measures_its_own_buffer_and_the_engine_buffer(disk_dir, capsys, monkeypatch):
+    import sys
+    import types
+
+    handles = []
+
+    class AsyncIOBuilder:
+        def load(self, verbose=False):
+            def aio_handle(*args):
+                handles.append(_FakeAioHandle(*args))
+                return handles[-1]
+            return types.SimpleNamespace(aio_handle=aio_handle)
+
+    for name in ("deepspeed", "deepspeed.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "deepspeed.ops.op_builder",
+                        types.SimpleNamespace(AsyncIOBuilder=AsyncIOBuilder))
+    assert bench_io.main(["--path", disk_dir, "--json", "--no-fio", "--backend", "threads", "--vs-deepspeed",
+                          *TINY]) == 0
+    r = json.loads(capsys.readouterr().out)
+    (handle,) = handles
+    assert handle.args == (1 << 20, 4, False, True, 1)  # block size, queue depth, DeepSpeed's defaults
+    assert len(handle.buffers) == 1  # always its own locked tensor: never a buffer it would bounce
+    ds = r["deepspeed"]
+    assert len(ds["read"]["samples_gbps"]) == 2 and ds["ratio_read"] > 0 and ds["ratio_write"] > 0
+    assert "own page-locked buffer" in ds["note"]
+    same = ds["same_buffer"]  # the engine on DeepSpeed's buffer, paired with DeepSpeed per repeat
+    paired = sorted(e / d for e, d in zip(same["engine_read"]["samples_gbps"], ds["read"]["samples_gbps"]))
+    assert same["ratio_read"] == pytest.approx((paired[0] + paired[1]) / 2)
+
+    assert bench_io.main(["--path", disk_dir, "--no-fio", "--backend", "threads", "--vs-deepspeed", *TINY]) == 0
+    assert "engine, DS buffer" in capsys.readouterr().out
