@@ -31,8 +31,9 @@ class MLPOffloadConfig:
     prefetch_depth: int = 2
     """--mlp-offload-prefetch-depth: subgroups fetched ahead of the one being updated."""
     flush_depth: int = 2
-    """--mlp-offload-flush-depth: updated subgroups whose write-back may be in flight at once.
-    The host budget is host_cache + (prefetch_depth + flush_depth + 1) subgroup buffers."""
+    """--mlp-offload-flush-depth: updated subgroups whose write-back may be in flight at once on
+    each tier. The host budget is host_cache + (prefetch_depth + flush_depth + 1) subgroup buffers,
+    whatever the number of tiers (write-backs hold buffers of that pool)."""
     tokens_per_tier: int = 1
     """--mlp-offload-tokens-per-tier: processes of a node doing I/O on one tier at a time."""
     order: str = "alternate"

@@ -63,8 +63,9 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--mlp-offload-prefetch-depth", type=int, default=_DEFAULTS["prefetch_depth"], metavar="N",
                    help="Subgroups fetched from storage ahead of the one being updated.")
     g.add_argument("--mlp-offload-flush-depth", type=int, default=_DEFAULTS["flush_depth"], metavar="N",
-                   help="Updated subgroups whose write-back to storage may be in flight at once. Host memory "
-                        "per rank: host cache + (prefetch depth + flush depth + 1) subgroup buffers.")
+                   help="Updated subgroups whose write-back to storage may be in flight at once on each tier. "
+                        "Host memory per rank: host cache + (prefetch depth + flush depth + 1) subgroup "
+                        "buffers, a hard limit whatever the number of tiers.")
     g.add_argument("--mlp-offload-tokens-per-tier", type=int, default=_DEFAULTS["tokens_per_tier"], metavar="N",
                    help="Processes of one node that may do I/O on one physical tier at a time.")
     g.add_argument("--mlp-offload-order", type=str, default="alternate", choices=ORDER_POLICIES,

@@ -402,7 +402,10 @@ class OffloadAdam:
                     resident[pick] = buf
                     continue
                 t0 = time.perf_counter()
-                while len(flushing) >= max_flushes:
+                # The window is per tier: a slow tier's write-backs must not hold up the
+                # write-back (and the next update) of a subgroup on another tier. The pool still
+                # bounds the memory: a flush in flight keeps its buffer from the next fetch.
+                while sum(1 for _, tier, _ in flushing.values() if tier is store) >= max_flushes:
                     self._reap(flushing, errors, block=True)
                 stats.wait_s += time.perf_counter() - t0
                 flushing[store.flush(sg, buf)] = (sg, store, buf)
