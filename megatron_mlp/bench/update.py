@@ -15,7 +15,10 @@ figures alike:
 4. the placement model's predicted I/O time and the I/O lower bound: the bytes MLP-Offload moved
    per step on each tier divided by that tier's bandwidth from (1) -- read time + write time on a
    tier whose reads and writes share one limit, the larger of the two (or their sum over the
-   combined bandwidth, whichever is larger) on one where they do not.
+   combined bandwidth, whichever is larger) on one where they do not;
+5. the policy floor and the speedup ceiling: the least time any schedule could need to move the
+   state outside the host cache once each way over these tiers (``policy_floor``), and the
+   baseline's time over it -- what no implementation of the policy could exceed in this run.
 
 A path with ``qos=`` is an emulated slower tier (the engine's bandwidth cap) and is labelled so.
 Times are medians over the steps after the first (the first fills the host cache).
@@ -151,6 +154,22 @@ def io_time_bound(read_bytes: float, write_bytes: float, bw: dict) -> float:
     serial = r + w
     overlapped = max(r, w, (read_bytes + write_bytes) / bw["concurrent_bytes_per_s"])
     return min(serial, overlapped)
+
+
+def policy_floor(state_bytes: float, cache_bytes: float, bandwidth: list[dict]) -> float:
+    """Least update time any schedule under MLP-Offload's byte policy could reach on these tiers.
+
+    Every byte of state outside the host cache is read once and written once per step, back to
+    the tier it came from (the alternating order lets the cached bytes skip one read and one
+    write; over a pair of steps each tier writes what it reads), and nothing else moves.
+    The floor lets the cache hold any fraction of a subgroup and splits the remaining bytes over
+    the tiers as a fluid, so each tier finishes at the same instant: no placement, subgroup size
+    or pipeline can beat it, and ``baseline_s / floor`` caps the speedup this run could show.
+    """
+    moved = max(0.0, state_bytes - cache_bytes)
+    # Bytes per second of "read once + write once" each tier sustains alone.
+    rates = [1.0 / io_time_bound(1.0, 1.0, bw) for bw in bandwidth]
+    return moved / sum(rates) if moved else 0.0
 
 
 # ----------------------------------------------------------------------------- one rank
@@ -303,6 +322,8 @@ def summarize(args, tiers, bandwidth, results) -> dict:
     numel = args.num_params // args.ranks
     plan = SubgroupPlan([(0, numel)], args.subgroup_params)
     placement = plan_for(plan, _config(args, tiers), args.ranks)
+    # Bytes of state over all ranks (fp32 params, exp_avg, exp_avg_sq) and of their host caches.
+    floor_s = policy_floor(12.0 * args.num_params, float(args.host_cache) * args.ranks, bandwidth)
     base_last = results[0]["baseline"]["last"]
     mlp_last = last_stats[0][-1]
     return {
@@ -326,6 +347,8 @@ def summarize(args, tiers, bandwidth, results) -> dict:
         "speedup_with_backward_write": (baseline_s + backward_s) / mlp_s if mlp_s > 0 else None,
         "lower_bound_s": lower_bound_s,
         "mlp_vs_lower_bound": mlp_s / lower_bound_s if lower_bound_s > 0 else None,
+        "policy_floor_s": floor_s,
+        "speedup_ceiling": baseline_s / floor_s if floor_s > 0 else None,
         "predicted_s": placement.total_seconds,
         "placement": placement.to_dict(),
         "mlp_tier_of": results[0]["variants"][mlp_index]["tier_of"],
@@ -360,6 +383,10 @@ def _text(summary) -> str:
     lines.append(f"MLP-Offload: {summary['mlp_s']:.2f} s -> {summary['speedup']:.2f}x the baseline; "
                  f"I/O lower bound {summary['lower_bound_s']:.2f} s (x{summary['mlp_vs_lower_bound']:.2f}); "
                  f"placement model predicted {summary['predicted_s']:.2f} s")
+    if summary["speedup_ceiling"] is not None:
+        lines.append(f"ceiling: no schedule under this byte policy beats {summary['policy_floor_s']:.2f} s on these "
+                     f"bandwidths (cache used to the byte, a fluid split), so {summary['speedup_ceiling']:.2f}x is "
+                     f"the largest speedup this run could show")
     if summary["emulated_paths"]:
         lines.append(f"note: {', '.join(summary['emulated_paths'])} emulated (engine bandwidth cap), not a real tier")
     return "\n".join(lines)

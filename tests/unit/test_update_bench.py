@@ -22,8 +22,10 @@ def test_bench_update_reports_baseline_mlp_ablation_and_bounds_when_run_tiny(cap
     s = run_json(capsys, "--paths", f"{disk_dir};{shm_dir}:qos=1GB/s", "--num-params", "600000",
                  "--subgroup-params", "100000", "--host-cache-bytes", "1300000", "--calib-bytes", "8MB",
                  "--steps", "3", "--ranks", str(ranks))
-    for key in ("baseline_s", "mlp_s", "speedup", "lower_bound_s", "predicted_s", "baseline_backward_grad_write_s"):
+    for key in ("baseline_s", "mlp_s", "speedup", "lower_bound_s", "predicted_s", "baseline_backward_grad_write_s",
+                "policy_floor_s", "speedup_ceiling"):
         assert s[key] > 0, key
+    assert s["speedup_ceiling"] == pytest.approx(s["baseline_s"] / s["policy_floor_s"])
     names = [a["name"] for a in s["ablation"]]
     assert names[0].startswith("ZeRO-3") and names[-1].endswith("(= MLP-Offload)") and len(names) == 6
     assert s["ablation"][-1]["seconds"] == s["mlp_s"]
@@ -51,6 +53,15 @@ def test_io_time_bound_adds_reads_and_writes_on_a_shared_limit_and_overlaps_them
     duplex = {"read_bytes_per_s": 1.0, "write_bytes_per_s": 1.0, "concurrent_bytes_per_s": 2.0}
     assert update.io_time_bound(4, 4, disk) == pytest.approx(4 / 1 + 4 / 2)
     assert update.io_time_bound(4, 4, duplex) == pytest.approx(4)
+
+
+def test_policy_floor_splits_the_uncached_bytes_so_every_tier_finishes_together():
+    disk = {"read_bytes_per_s": 1.0, "write_bytes_per_s": 2.0, "concurrent_bytes_per_s": 1.0}   # 1.5 s per byte
+    duplex = {"read_bytes_per_s": 1.0, "write_bytes_per_s": 1.0, "concurrent_bytes_per_s": 2.0}  # 1 s per byte
+    # 10 bytes of state, 4 cached: 6 bytes each way at 1/1.5 + 1/1 bytes/s together.
+    assert update.policy_floor(10, 4, [disk, duplex]) == pytest.approx(6 / (1 / 1.5 + 1))
+    assert update.policy_floor(10, 4, [disk]) == pytest.approx(6 * 1.5)
+    assert update.policy_floor(10, 12, [disk]) == 0.0   # all of it in the host cache
 
 
 def test_zero3_baseline_computes_the_same_adamw_as_torch(disk_dir):
