@@ -58,7 +58,8 @@ class OffloadAdam:
             tensor`` (streamed, so the whole shard never needs to exist at once), or None (zeros).
         rank: this process's rank (names the scratch dir only).
         ranks_per_node: processes of the node sharing the tiers (placement model input).
-        engine_factory / token_factory: ``spec -> Engine`` / ``spec -> token or None``; defaults
+        engine_factory / token_factory: ``spec -> Engine`` / ``(spec, direction) -> token or None``
+            (direction 'rw', or 'read' and 'write' for a tier with separate budgets); defaults
             build the real ones from ``config``; tests inject faults through them.
     Raises:
         ConfigError: inconsistent ranges / groups / initial params (message names the value).
@@ -669,9 +670,13 @@ def _default_engine_factory(config):
 
 
 def _default_token_factory(config):
-    def make(spec):
+    def make(spec, direction="rw"):
+        """The node-level token of ``spec``'s device; ``direction`` 'read' / 'write' names the
+        token of one budget of a tier with separate read and write limits, 'rw' the only one."""
         if not config.use_tokens:
             return None
         from megatron_mlp.tier import TierToken
-        return TierToken(spec.path, slots=config.tokens_per_tier, runtime_dir=config.runtime_dir)
+        from megatron_mlp.tier.device import device_key
+        key = device_key(spec.path) if direction == "rw" else f"{device_key(spec.path)}-{direction}"
+        return TierToken(slots=config.tokens_per_tier, runtime_dir=config.runtime_dir, key=key)
     return make

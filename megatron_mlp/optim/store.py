@@ -64,7 +64,7 @@ class TierStore:
     file_path: str
     engine: object
     handle: object
-    token: object | None
+    token: object | None          # the node-level token for reads (and for writes on one lane)
     checksum: bool
     split_lanes: bool
     records: dict = field(default_factory=dict)   # subgroup index -> SlotRecord
@@ -74,10 +74,9 @@ class TierStore:
     _read_lane: ThreadPoolExecutor | None = None
     _cpu: ThreadPoolExecutor | None = None
     _write_lane: ThreadPoolExecutor | None = None
+    write_token: object | None = None   # split lanes: the token for writes, else ``token``
     token_busy: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _token_lock: threading.Lock = field(default_factory=threading.Lock)
-    _token_users: int = 0
     scratch: object = None        # megatron_mlp.tier.scratch.ScratchDir (owner record + lock)
     io_timeout_s: float | None = None   # a request not done by then fails with ETIMEDOUT
     failed: str | None = None     # why this tier was taken out of service (failover), else None
@@ -144,8 +143,12 @@ class TierStore:
         for sg in subgroups:
             records[sg.index] = SlotRecord((offset, offset + sg.region_bytes))
             offset += 2 * sg.region_bytes
+        # A tier with separate read and write budgets gets a token per direction: one rank's
+        # write-back and another's fetch use different budgets and need not take turns.
+        token = token_factory(spec, "read" if split else "rw")
+        write_token = token_factory(spec, "write") if split else token
         store = cls(index=index, path=spec.path, scratch_dir=scratch, file_path=file_path, engine=engine,
-                    handle=handle, token=token_factory(spec), checksum=checksum, split_lanes=split,
+                    handle=handle, token=token, write_token=write_token, checksum=checksum, split_lanes=split,
                     records=records, write_engine=write_engine, write_handle=write_handle,
                     scratch=scratch_dir, io_timeout_s=io_timeout_s, end_offset=offset,
                     capacity_bytes=spec.capacity_bytes, _inode=(st.st_dev, st.st_ino))
@@ -198,38 +201,35 @@ class TierStore:
         import torch
         return buffer.torch(torch.uint8)[: sg.region_bytes]
 
-    def _with_token(self, fn):
-        """Run ``fn`` holding this rank's claim on the tier's node-level token.
+    def _with_token(self, token, fn):
+        """Run ``fn`` (one request) holding ``token``, this tier's node-level token for its direction.
 
-        With one lane the token is taken per request. With split lanes the read and the write
-        lane of this rank share one claim (reference-counted): the token arbitrates between the
-        ranks of the node, not between this rank's own reads and writes.
+        Each lane is one thread running one request at a time, so a claim is taken per request.
+        Only the fetch side marks the tier busy: that is what the scheduler can work around
+        (by fetching a subgroup of another tier meanwhile).
         """
-        if self.token is None:
+        if token is None:
             return fn()
         t0 = time.perf_counter()
-        with self._token_lock:
-            if self._token_users == 0:
-                if not self.token.try_acquire():
-                    self.token_busy = True   # the scheduler prefers subgroups of other tiers meanwhile
-                    try:
-                        # Bounded like the I/O itself: a holder that never lets go (a stopped
-                        # process) must not stall this rank for ever.
-                        if not self.token.acquire(timeout=self.io_timeout_s):
-                            raise TierIOError(errno.ETIMEDOUT, f"the node-level token of tier {self.path} was "
-                                              f"not free within {self.io_timeout_s} s (--mlp-offload-io-timeout); "
-                                              "another process holds it", self.file_path)
-                    finally:
-                        self.token_busy = False
-            self._token_users += 1
+        if not token.try_acquire():
+            fetching = token is self.token
+            if fetching:
+                self.token_busy = True   # the scheduler prefers subgroups of other tiers meanwhile
+            try:
+                # Bounded like the I/O itself: a holder that never lets go (a stopped process)
+                # must not stall this rank for ever.
+                if not token.acquire(timeout=self.io_timeout_s):
+                    raise TierIOError(errno.ETIMEDOUT, f"the node-level token of tier {self.path} was "
+                                      f"not free within {self.io_timeout_s} s (--mlp-offload-io-timeout); "
+                                      "another process holds it", self.file_path)
+            finally:
+                if fetching:
+                    self.token_busy = False
         self.stats.add(token_wait_s=time.perf_counter() - t0)
         try:
             return fn()
         finally:
-            with self._token_lock:
-                self._token_users -= 1
-                if self._token_users == 0:
-                    self.token.release()
+            token.release()
 
     def _read(self, sg: Subgroup, buffer):
         rec = self.records[sg.index]
@@ -244,7 +244,7 @@ class TierStore:
                      sg.region_bytes)
             self.stats.add(fetch_s=time.perf_counter() - t0, bytes_read=sg.region_bytes, fetches=1)
 
-        self._with_token(read)
+        self._with_token(self.token, read)
         return snapshot
 
     def _verify(self, sg: Subgroup, buffer, snapshot, done: Future) -> None:
@@ -278,7 +278,7 @@ class TierStore:
             self.stats.add(flush_s=time.perf_counter() - t0, bytes_written=sg.region_bytes, flushes=1)
 
         try:
-            self._with_token(write)
+            self._with_token(self.write_token, write)
         finally:
             crc = crc_future.result() if crc_future is not None else None
         with self._lock:

@@ -249,7 +249,8 @@ def test_subgroups_of_a_free_tier_go_first_when_another_rank_holds_a_tiers_token
                     runtime_dir=str(tmp_path), host_cache_bytes=0, prefetch_depth=1)
     with opt:
         busy_tier = opt.tier_of[0]                       # the tier of the first subgroup in order
-        other = TierToken(opt.config.tiers[busy_tier].path, runtime_dir=str(tmp_path))
+        fetch_token = opt._store_of[busy_tier].token      # the tier's token for reads
+        other = TierToken(key=fetch_token.key, runtime_dir=str(tmp_path))
         assert other.try_acquire()                       # "another rank" holds it
         timer = threading.Timer(0.5, other.release)
         timer.start()
@@ -266,6 +267,30 @@ def test_subgroups_of_a_free_tier_go_first_when_another_rank_holds_a_tiers_token
         busy = [t for t in stats if t["path"] == opt.config.tiers[busy_tier].path][0]
         assert busy["token_wait_s"] > 0.2
         assert_state_equal(opt, ref)
+
+
+def test_a_tier_with_separate_read_and_write_budgets_has_a_token_per_direction(tier_dirs, tmp_path):
+    """Another rank writing back to the capped tier does not hold up this rank's fetches there."""
+    from megatron_mlp.tier import TierToken
+    from megatron_mlp.tier.device import device_key
+
+    opt, _ = make(tier_dirs, 2, qos_last=True, subgroup_params=1000, use_tokens=True,
+                  runtime_dir=str(tmp_path), host_cache_bytes=0, io_timeout_s=5)
+    with opt:
+        disk, capped = opt._store_of[0], opt._store_of[1]
+        assert disk.token is disk.write_token and disk.token.key == device_key(tier_dirs[0])
+        assert capped.token.key == device_key(tier_dirs[1]) + "-read"
+        assert capped.write_token.key == device_key(tier_dirs[1]) + "-write"
+        on_capped = [sg for sg in opt.plan if opt.tier_of[sg.index] == 1]
+        writer = TierToken(key=capped.write_token.key, runtime_dir=str(tmp_path))
+        assert writer.try_acquire()                      # "another rank" is writing to the capped tier
+        buf = opt.pool.try_acquire()
+        try:
+            capped.read_now(on_capped[0], buf)           # one shared token: ETIMEDOUT after 5 s
+        finally:
+            opt.pool.release(buf)
+            writer.release()
+        assert capped.stats.token_wait_s < 1.0
 
 
 def test_step_stats_list_every_configured_path_in_order_when_one_holds_nothing(tier_dirs):
