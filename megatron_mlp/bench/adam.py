@@ -21,6 +21,8 @@ import statistics
 import sys
 import time
 
+from megatron_mlp.bench.quiet import stdout_to_stderr
+
 GRAD_DTYPES = ("bf16", "fp16", "fp32")
 
 
@@ -65,7 +67,8 @@ def _summary(num_params: int, times: list[float]) -> dict:
 def _deepspeed_adam():
     """DeepSpeedCPUAdam class, or (None, reason)."""
     try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415 (optional dependency)
+        with stdout_to_stderr():
+            from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415 (optional dependency)
     except Exception as exc:  # not installed, or its op cannot be built here
         return None, f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
     return DeepSpeedCPUAdam, None
@@ -127,14 +130,15 @@ def run(args) -> dict:
     if ds_cls is not None:
         try:
             dp = torch.nn.Parameter(torch.randn(n, generator=gen))
-            dopt = ds_cls([dp], lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
-                          weight_decay=hyper["weight_decay"], adamw_mode=True)
 
             def ds_step():
                 dp.grad = grad.float()
                 dopt.step()
 
-            ds_step()  # its JIT build or first call can fail on a user's machine: report, don't die
+            with stdout_to_stderr():   # it logs its op build on stdout
+                dopt = ds_cls([dp], lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
+                              weight_decay=hyper["weight_decay"], adamw_mode=True)
+                ds_step()  # its JIT build or first call can fail on a user's machine: report, don't die
             contenders["deepspeed"] = ds_step
         except Exception as exc:
             ds_reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:120]

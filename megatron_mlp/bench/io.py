@@ -9,7 +9,6 @@ ratio is the median over repeats of engine/fio measured in the same repeat. O_DI
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -20,6 +19,7 @@ import sys
 import tempfile
 import time
 
+from megatron_mlp.bench.quiet import stdout_to_stderr
 from megatron_mlp.errors import ConfigError, EngineUnavailable
 
 GB = 1e9
@@ -102,21 +102,6 @@ def _fio_version() -> str | None:
 
 # ---- DeepSpeed ------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _stdout_to_stderr():
-    """DeepSpeed logs (and its C++ op warns) on stdout; keep stdout for our one JSON object."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 def _deepspeed_handle(a):
     """Returns (aio_handle, description) or (None, reason).
 
@@ -124,12 +109,12 @@ def _deepspeed_handle(a):
     same block size and queue depth as the engine.
     """
     try:
-        with _stdout_to_stderr():
+        with stdout_to_stderr():
             from deepspeed.ops.op_builder import AsyncIOBuilder
     except Exception as e:  # deepspeed is an optional extra
         return None, f"deepspeed is not importable ({type(e).__name__}: {e})"
     try:
-        with _stdout_to_stderr():
+        with stdout_to_stderr():
             aio = AsyncIOBuilder().load(verbose=False)
             handle = aio.aio_handle(a.block_bytes, a.queue_depth, False, True, 1)
     except Exception as e:
@@ -141,7 +126,7 @@ def _deepspeed_own_buffer(handle, nbytes: int):
     """The buffer DeepSpeed gives its swapper: pinned by CUDA, else its own page-locked tensor."""
     import torch
 
-    with _stdout_to_stderr():
+    with stdout_to_stderr():
         if torch.cuda.is_available():
             return torch.empty(nbytes, dtype=torch.uint8).pin_memory()
         return handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
@@ -152,7 +137,7 @@ def _deepspeed_pass(handle, tensor, path: str):
     nbytes = tensor.numel() * tensor.element_size()
 
     def run(write: bool) -> float:
-        with _stdout_to_stderr():
+        with stdout_to_stderr():
             t0 = time.perf_counter()
             rc = handle.sync_pwrite(tensor, path) if write else handle.sync_pread(tensor, path)
             dt = time.perf_counter() - t0

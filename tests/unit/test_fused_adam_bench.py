@@ -56,3 +56,30 @@ def test_pool_copy_copies_every_byte_when_size_is_not_a_multiple_of_four(nbytes)
     fa._kernel().copy(dst.data_ptr(), src.data_ptr(), nbytes, 0)
     assert torch.equal(dst[:nbytes], src[:nbytes])
     assert dst[nbytes].item() == 0, "copied past nbytes"
+
+
+def test_bench_adam_keeps_stdout_to_its_json_when_deepspeed_logs_there(capsys, monkeypatch):
+    """DeepSpeed logs its op build on stdout; --json must still print one object and nothing else."""
+    import sys
+    import types
+
+    import torch
+
+    class NoisyCPUAdam(torch.optim.AdamW):   # stands in for DeepSpeedCPUAdam
+        def __init__(self, params, adamw_mode=True, **kwargs):
+            print("[WARNING] building cpu_adam op")
+            super().__init__(params, **kwargs)
+
+        def step(self, closure=None):
+            if not self.state:
+                print("[INFO] first step: cpu_adam loaded")
+            return super().step(closure)
+
+    for name in ("deepspeed", "deepspeed.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "deepspeed.ops.adam", types.SimpleNamespace(DeepSpeedCPUAdam=NoisyCPUAdam))
+    assert bench_adam.main(["--num-params", "20000", "--repeats", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["deepspeed_gparams_s"] > 0
+    assert "building cpu_adam op" in captured.err
