@@ -40,8 +40,8 @@ def _parse_args(argv):
     p.add_argument("--fio-ioengine", default="io_uring", help="fio's ioengine for the baseline (default io_uring)")
     p.add_argument("--no-fio", action="store_true", help="skip the fio baseline even when fio is installed")
     p.add_argument("--vs-deepspeed", action="store_true",
-                   help="also measure DeepSpeed's aio_handle (when deepspeed is importable), on its own "
-                        "page-locked buffer and on the engine's buffer")
+                   help="also measure DeepSpeed's aio_handle on its own page-locked buffer, and the engine "
+                        "on that same buffer (when deepspeed is importable)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout and nothing else")
     return p.parse_args(argv)
 
@@ -266,15 +266,12 @@ def run(a) -> dict:
                 return entry
 
             ds = {"note": f"{ds_note}, its own page-locked buffer", **versus("deepspeed")}
-            same = versus("deepspeed")
-            same_engine = ds_res["engine_on_deepspeed_buffer"]
-            for key in ("read", "write"):
-                same[f"ratio_{key}"] = statistics.median(
-                    e / d for e, d in zip(same_engine[key], ds_res["deepspeed"][key]))
+            same_engine, theirs = ds_res["engine_on_deepspeed_buffer"], ds_res["deepspeed"]
             ds["same_buffer"] = {
                 "note": f"engine ({primary}) on DeepSpeed's page-locked buffer (4 KiB pages) vs DeepSpeed on it",
                 "engine_write": _summary(same_engine["write"]), "engine_read": _summary(same_engine["read"]),
-                "ratio_read": same["ratio_read"], "ratio_write": same["ratio_write"]}
+                **{f"ratio_{key}": statistics.median(e / d for e, d in zip(same_engine[key], theirs[key]))
+                   for key in ("read", "write")}}
             out["deepspeed"] = ds
         else:
             out["deepspeed"] = f"unavailable: {ds_note}"
