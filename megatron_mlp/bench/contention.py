@@ -23,91 +23,73 @@ import time
 import uuid
 
 from megatron_mlp.errors import ConfigError
-from megatron_mlp.tier.calibration import worker_mp_context
 from megatron_mlp.tier.placement import human_bytes
 from megatron_mlp.tier.spec import parse_size
+from megatron_mlp.tier.workers import run_workers, worker_mp_context
 
 
 def _proc(directory: str, nbytes: int, chunk: int, use_tokens: bool, runtime_dir: str | None,
-          block_bytes: int, queue_depth: int, slots: int, barrier, queue) -> None:
-    try:
-        from megatron_mlp.engine import Engine
-        from megatron_mlp.tier.stats import TierStats
-        from megatron_mlp.tier.tokens import TierToken
+          block_bytes: int, queue_depth: int, slots: int, barrier) -> dict:
+    """One worker: write then read ``nbytes`` in ``chunk`` requests, each under the token if used."""
+    from megatron_mlp.engine import Engine
+    from megatron_mlp.tier.stats import TierStats
+    from megatron_mlp.tier.tokens import TierToken
 
-        path = os.path.join(directory, f".mlp-contention-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        stats = TierStats()
-        token = TierToken(directory, slots=slots, runtime_dir=runtime_dir) if use_tokens else None
-        eng = Engine(block_bytes=block_bytes, queue_depth=queue_depth)
+    path = os.path.join(directory, f".mlp-contention-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    stats = TierStats()
+    token = TierToken(directory, slots=slots, runtime_dir=runtime_dir) if use_tokens else None
+    eng = Engine(block_bytes=block_bytes, queue_depth=queue_depth)
+    try:
+        buf = eng.alloc(chunk)
+        buf.numpy("uint8")[:] = 0xA5
+        f = eng.open(path, create=True, direct=True, truncate=True)
         try:
-            buf = eng.alloc(chunk)
-            buf.numpy("uint8")[:] = 0xA5
-            f = eng.open(path, create=True, direct=True, truncate=True)
+            fd = os.open(path, os.O_WRONLY)
             try:
-                fd = os.open(path, os.O_WRONLY)
-                try:
-                    os.posix_fallocate(fd, 0, nbytes)  # as tier files are: overwritten in place
-                except OSError:
-                    pass
-                finally:
-                    os.close(fd)
-                barrier.wait(120)
-                t_start = time.monotonic()
-                for op in ("write", "read"):
-                    for off in range(0, nbytes, chunk):
-                        n = min(chunk, nbytes - off)
-                        if token is not None:
-                            t0 = time.monotonic()
-                            token.acquire()
-                            stats.record_token_wait(time.monotonic() - t0)
-                        try:
-                            t0 = time.monotonic()
-                            (eng.write if op == "write" else eng.read)(f, buf, off, nbytes=n).wait()
-                            if op == "write" and not f.direct:
-                                f.sync()
-                            stats.record_io(time.monotonic() - t0, **({"write_bytes": n} if op == "write"
-                                                                        else {"read_bytes": n}))
-                        finally:
-                            if token is not None:
-                                token.release()
-                t_end = time.monotonic()
-                direct = f.direct
-            finally:
-                f.close()
-        finally:
-            eng.close()
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
+                os.posix_fallocate(fd, 0, nbytes)  # as tier files are: overwritten in place
+            except OSError:
                 pass
-        queue.put(("ok", {"start": t_start, "end": t_end, "direct": direct, "backend": eng.backend,
-                          **stats.as_dict()}))
-    except BaseException as e:  # reported, with its message, to the parent
-        queue.put(("error", f"{type(e).__name__}: {e}"))
+            finally:
+                os.close(fd)
+            barrier.wait(120)
+            t_start = time.monotonic()
+            for op in ("write", "read"):
+                for off in range(0, nbytes, chunk):
+                    n = min(chunk, nbytes - off)
+                    if token is not None:
+                        t0 = time.monotonic()
+                        token.acquire()
+                        stats.record_token_wait(time.monotonic() - t0)
+                    try:
+                        t0 = time.monotonic()
+                        (eng.write if op == "write" else eng.read)(f, buf, off, nbytes=n).wait()
+                        if op == "write" and not f.direct:
+                            f.sync()
+                        stats.record_io(time.monotonic() - t0, **({"write_bytes": n} if op == "write"
+                                                                    else {"read_bytes": n}))
+                    finally:
+                        if token is not None:
+                            token.release()
+            t_end = time.monotonic()
+            direct = f.direct
+        finally:
+            f.close()
+    finally:
+        eng.close()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return {"start": t_start, "end": t_end, "direct": direct, "backend": eng.backend, **stats.as_dict()}
 
 
 def run_once(directory: str, procs: int, nbytes: int, chunk: int, use_tokens: bool, runtime_dir: str | None,
              block_bytes: int = 1 << 20, queue_depth: int = 8, slots: int = 1) -> dict:
     """One round: ``procs`` worker processes (no engine thread is ever forked), started together."""
     ctx = worker_mp_context(["megatron_mlp.engine", "megatron_mlp.tier.tokens", "megatron_mlp.bench.contention"])
-    barrier, queue = ctx.Barrier(procs), ctx.Queue()
-    ps = [ctx.Process(target=_proc, args=(directory, nbytes, chunk, use_tokens, runtime_dir, block_bytes,
-                                          queue_depth, slots, barrier, queue)) for _ in range(procs)]
-    for p in ps:
-        p.start()
-    results, errors = [], []
-    try:
-        for _ in ps:
-            kind, value = queue.get(timeout=600)
-            (results if kind == "ok" else errors).append(value)
-    finally:
-        for p in ps:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors:
-        raise RuntimeError("; ".join(errors))
+    barrier = ctx.Barrier(procs)
+    results = run_workers(ctx, _proc, [(directory, nbytes, chunk, use_tokens, runtime_dir, block_bytes,
+                                        queue_depth, slots, barrier)] * procs, what="contention")
     t0 = min(r["start"] for r in results)
     total = max(r["end"] for r in results) - t0
     moved = sum(r["bytes_read"] + r["bytes_written"] for r in results)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import fcntl
 import json
 import math
-import multiprocessing as mp
 import os
 import socket
 import tempfile
@@ -29,6 +28,7 @@ from dataclasses import asdict, dataclass, fields
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier.device import device_info
 from megatron_mlp.tier.spec import TierSpec
+from megatron_mlp.tier.workers import run_workers, worker_mp_context
 
 CACHE_VERSION = 1
 DEFAULT_SIZE_BYTES = 256 << 20
@@ -253,51 +253,12 @@ def _drop_page_cache(path: str) -> None:
         pass
 
 
-def _worker(queue, args) -> None:
-    try:
-        queue.put(("ok", _io_pass(*args)))
-    except BaseException as e:  # reported to the parent with its message
-        queue.put(("error", f"{type(e).__name__}: {e}"))
-
-
-def worker_mp_context(preload: list[str]):
-    """Worker processes that never inherit an engine's threads: from a fork server (started once,
-    with the imports preloaded, so each worker starts in milliseconds), else spawned."""
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(preload)
-        return ctx
-    return mp.get_context("spawn")
-
-
 def _run_procs(jobs: list[tuple], timeout: float = 600.0) -> list[dict]:
     """Run one :func:`_io_pass` per job in its own worker process; all start together."""
     ctx = worker_mp_context(["megatron_mlp.engine", "megatron_mlp.tier.calibration"])
     barrier = ctx.Barrier(len(jobs))
-    queue = ctx.Queue()
-    procs = []
-    for job in jobs:
-        args = (job[0], job[1], job[2], barrier) + tuple(job[3:])
-        p = ctx.Process(target=_worker, args=(queue, args))
-        p.start()
-        procs.append(p)
-    results, errors = [], []
-    deadline = time.monotonic() + timeout
-    for _ in procs:
-        try:
-            kind, value = queue.get(timeout=max(1.0, deadline - time.monotonic()))
-        except Exception:
-            errors.append("a calibration process did not report in time")
-            break
-        (results if kind == "ok" else errors).append(value)
-    for p in procs:
-        p.join(5)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    if errors:
-        raise RuntimeError("; ".join(errors))
-    return results
+    return run_workers(ctx, _io_pass, [(job[0], job[1], job[2], barrier) + tuple(job[3:]) for job in jobs],
+                       what="calibration", timeout=timeout)
 
 
 def _span(results: list[dict], phase: str) -> float:
