@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_adam_dispatch.h"
 #include "mlp/cpu_adam.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -187,70 +188,35 @@ MLP_TARGET_AVX512 inline void stats_one16(StatsAcc16& a, __m512 x) {
 }
 
 template <DType G, int O, bool SmallWeight, int Sq>
-MLP_TARGET_AVX512 void loop16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v, const void* g, void* out,
-                    std::size_t n) {
-    constexpr std::size_t gb = G == DType::kFloat32 ? 4 : 2;
-    constexpr std::size_t ob = O == static_cast<int>(DType::kFloat32) ? 4 : 2;
-    // Every full-vector store lands on a multiple of its width when `out` is 64-byte aligned.
-    const bool stream = O >= 0 && (reinterpret_cast<std::uintptr_t>(out) & 63u) == 0;
-    std::size_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        body16<G, O, SmallWeight, Sq>(s, c, p + i, m + i, v + i, static_cast<const char*>(g) + i * gb,
-                                        O >= 0 ? static_cast<char*>(out) + i * ob : nullptr, stream);
+struct Loop16 {
+    MLP_TARGET_AVX512 static void run(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v,
+                                      const void* g, void* out, std::size_t n) {
+        constexpr std::size_t gb = G == DType::kFloat32 ? 4 : 2;
+        constexpr std::size_t ob = O == static_cast<int>(DType::kFloat32) ? 4 : 2;
+        // Every full-vector store lands on a multiple of its width when `out` is 64-byte aligned.
+        const bool stream = O >= 0 && (reinterpret_cast<std::uintptr_t>(out) & 63u) == 0;
+        std::size_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            body16<G, O, SmallWeight, Sq>(s, c, p + i, m + i, v + i, static_cast<const char*>(g) + i * gb,
+                                            O >= 0 ? static_cast<char*>(out) + i * ob : nullptr, stream);
+        }
+        if (stream) _mm_sfence();  // order the streamed stores before the caller reads `out`
+        if (i < n) {
+            const std::size_t r = n - i;
+            alignas(64) float tp[16] = {}, tm[16] = {}, tv[16] = {};
+            alignas(64) unsigned char tg[64] = {}, to[64] = {};
+            std::memcpy(tp, p + i, r * 4);
+            std::memcpy(tm, m + i, r * 4);
+            std::memcpy(tv, v + i, r * 4);
+            std::memcpy(tg, static_cast<const char*>(g) + i * gb, r * gb);
+            body16<G, O, SmallWeight, Sq>(s, c, tp, tm, tv, tg, to, false);
+            std::memcpy(p + i, tp, r * 4);
+            std::memcpy(m + i, tm, r * 4);
+            std::memcpy(v + i, tv, r * 4);
+            if constexpr (O >= 0) std::memcpy(static_cast<char*>(out) + i * ob, to, r * ob);
+        }
     }
-    if (stream) _mm_sfence();  // order the streamed stores before the caller reads `out`
-    if (i < n) {
-        const std::size_t r = n - i;
-        alignas(64) float tp[16] = {}, tm[16] = {}, tv[16] = {};
-        alignas(64) unsigned char tg[64] = {}, to[64] = {};
-        std::memcpy(tp, p + i, r * 4);
-        std::memcpy(tm, m + i, r * 4);
-        std::memcpy(tv, v + i, r * 4);
-        std::memcpy(tg, static_cast<const char*>(g) + i * gb, r * gb);
-        body16<G, O, SmallWeight, Sq>(s, c, tp, tm, tv, tg, to, false);
-        std::memcpy(p + i, tp, r * 4);
-        std::memcpy(m + i, tm, r * 4);
-        std::memcpy(v + i, tv, r * 4);
-        if constexpr (O >= 0) std::memcpy(static_cast<char*>(out) + i * ob, to, r * ob);
-    }
-}
-
-template <DType G, int O>
-MLP_TARGET_AVX512 void dispatch_flags16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v, const void* g,
-                              void* out, std::size_t n, bool small_weight) {
-    constexpr int kIeee = static_cast<int>(SqrtMode::kIeee);
-    constexpr int kNewton = static_cast<int>(SqrtMode::kRsqrtNewton);
-    constexpr int k14 = static_cast<int>(SqrtMode::kRsqrt14Fma);
-    constexpr int kNewtonFma = static_cast<int>(SqrtMode::kRsqrtNewtonFma);
-    switch (s.sqrt_mode) {
-        case SqrtMode::kRsqrtNewton:
-            return small_weight ? loop16<G, O, true, kNewton>(s, c, p, m, v, g, out, n)
-                                : loop16<G, O, false, kNewton>(s, c, p, m, v, g, out, n);
-        case SqrtMode::kRsqrt14Fma:
-            return small_weight ? loop16<G, O, true, k14>(s, c, p, m, v, g, out, n)
-                                : loop16<G, O, false, k14>(s, c, p, m, v, g, out, n);
-        case SqrtMode::kRsqrtNewtonFma:
-            return small_weight ? loop16<G, O, true, kNewtonFma>(s, c, p, m, v, g, out, n)
-                                : loop16<G, O, false, kNewtonFma>(s, c, p, m, v, g, out, n);
-        default:
-            return small_weight ? loop16<G, O, true, kIeee>(s, c, p, m, v, g, out, n)
-                                : loop16<G, O, false, kIeee>(s, c, p, m, v, g, out, n);
-    }
-}
-
-template <DType G>
-MLP_TARGET_AVX512 void dispatch_out16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v, const void* g,
-                            void* out, DType odt, std::size_t n, bool small_weight) {
-    if (!out) return dispatch_flags16<G, -1>(s, c, p, m, v, g, out, n, small_weight);
-    switch (odt) {
-        case DType::kBFloat16:
-            return dispatch_flags16<G, static_cast<int>(DType::kBFloat16)>(s, c, p, m, v, g, out, n, small_weight);
-        case DType::kFloat16:
-            return dispatch_flags16<G, static_cast<int>(DType::kFloat16)>(s, c, p, m, v, g, out, n, small_weight);
-        default:
-            return dispatch_flags16<G, static_cast<int>(DType::kFloat32)>(s, c, p, m, v, g, out, n, small_weight);
-    }
-}
+};
 
 }  // namespace
 
@@ -267,13 +233,7 @@ MLP_TARGET_AVX512 void adam_avx512(const AdamScalars& s, float* p, float* m, flo
     c.bc2 = _mm512_set1_ps(s.bc2_sqrt);
     c.eps = _mm512_set1_ps(s.eps);
     c.nss = _mm512_set1_ps(s.neg_step_size);
-    // lerp's branch as ATen's is_lerp_weight_small: |w| < 0.5 -> m + w*(g-m), else g + (w-1)*(g-m).
-    const bool small_weight = s.lerp_weight < 0.5f && s.lerp_weight > -0.5f;
-    switch (gdt) {
-        case DType::kBFloat16: return dispatch_out16<DType::kBFloat16>(s, c, p, m, v, g, out, odt, n, small_weight);
-        case DType::kFloat16: return dispatch_out16<DType::kFloat16>(s, c, p, m, v, g, out, odt, n, small_weight);
-        default: return dispatch_out16<DType::kFloat32>(s, c, p, m, v, g, out, odt, n, small_weight);
-    }
+    adam_dispatch<Loop16>(s, c, p, m, v, g, gdt, out, odt, n);
 }
 
 MLP_TARGET_AVX512 void stats_avx512(const void* g, DType dt, std::size_t n, GradStats* out) {
