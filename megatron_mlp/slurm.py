@@ -105,6 +105,27 @@ def _paths_spec(job: SlurmJob) -> str:
     return f"{nvme};{pfs}"
 
 
+def _scratch_exports(job: SlurmJob, job_id: str) -> list[str]:
+    """The tier bases and this job's scratch directories under them (``job_id``: a shell expression)."""
+    lines = [f"export MLP_NVME_BASE={_q(job.nvme_path.rstrip('/'))}",
+             f"export MLP_NVME_DIR=\"$MLP_NVME_BASE/megatron-mlp-{job_id}\""]
+    if job.pfs_path:
+        lines += [f"export MLP_PFS_BASE={_q(job.pfs_path.rstrip('/'))}",
+                  f"export MLP_PFS_DIR=\"$MLP_PFS_BASE/megatron-mlp-{job_id}\""]
+    return lines
+
+
+def _calibration_paths(job: SlurmJob) -> str:
+    return "$MLP_NVME_BASE" + (";$MLP_PFS_BASE" if job.pfs_path else "")
+
+
+def _offload_flags(job: SlurmJob, node_name: str) -> str:
+    """The --mlp-offload flags of each rank; ``node_name`` names the node's calibration cache file."""
+    calib = f"'$MLP_CALIBRATION_CACHE/{node_name}.json'" if job.calibrate else "off"
+    mlp = f"--mlp-offload --mlp-offload-paths '{_paths_spec(job)}' --mlp-offload-calibration {calib}"
+    return f"{mlp} {job.mlp_args}" if job.mlp_args else mlp
+
+
 def render_job_script(job: SlurmJob) -> str:
     """Render the sbatch script for ``job``. Pure: no file system, no environment.
 
@@ -145,13 +166,7 @@ def render_job_script(job: SlurmJob) -> str:
         f"export GPUS_PER_NODE={g}",
         f"export NNODES={n}",
         "# Optimizer-state scratch, unique per job (and below, per rank); never the checkpoint.",
-        f"export MLP_NVME_BASE={_q(job.nvme_path.rstrip('/'))}",
-        "export MLP_NVME_DIR=\"$MLP_NVME_BASE/megatron-mlp-$SLURM_JOB_ID\"",
-    ]
-    if job.pfs_path:
-        lines += [f"export MLP_PFS_BASE={_q(job.pfs_path.rstrip('/'))}",
-                  "export MLP_PFS_DIR=\"$MLP_PFS_BASE/megatron-mlp-$SLURM_JOB_ID\""]
-    lines += [
+        *_scratch_exports(job, "$SLURM_JOB_ID"),
         f"export MLP_CALIBRATION_CACHE={_q(job.calibration_cache)}",
         "export MASTER_ADDR=\"$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)\"",
         f"export MASTER_PORT={job.master_port}",
@@ -182,7 +197,6 @@ def render_job_script(job: SlurmJob) -> str:
     if job.pfs_path:
         lines.append("(umask 077 && mkdir -p -m 700 \"$MLP_PFS_DIR\") || exit 1")
     if job.calibrate:
-        calib_paths = "$MLP_NVME_BASE" + (";$MLP_PFS_BASE" if job.pfs_path else "")
         lines += [
             "",
             "# 2. Tier bandwidth per node, with all local ranks' contention; the cache file keeps it",
@@ -191,14 +205,9 @@ def render_job_script(job: SlurmJob) -> str:
             "srun --nodes=\"$NNODES\" --ntasks-per-node=1 bash -c "
             "'exec \"$0\" -m megatron_mlp calibrate --paths \"$1\" --procs \"$GPUS_PER_NODE\" "
             "--cache \"$MLP_CALIBRATION_CACHE/$SLURMD_NODENAME.json\"' "
-            f"\"$PYTHON\" \"{calib_paths}\" || exit 1",
+            f"\"$PYTHON\" \"{_calibration_paths(job)}\" || exit 1",
         ]
-        calib_flag = " --mlp-offload-calibration '$MLP_CALIBRATION_CACHE/$SLURMD_NODENAME.json'"
-    else:
-        calib_flag = " --mlp-offload-calibration off"
-    mlp = f"--mlp-offload --mlp-offload-paths '{_paths_spec(job)}'{calib_flag}"
-    if job.mlp_args:
-        mlp += " " + job.mlp_args
+    mlp = _offload_flags(job, "$SLURMD_NODENAME")
     train_args = f"{job.model_args} --use-distributed-optimizer --exit-signal-handler {mlp}".strip()
     lines += ["", "# 3. Train. Megatron-LM stays unmodified: megatron_mlp.launch adds the flags and the optimizer."]
     lines.append(f"TRAIN_ARGS=({train_args})")
@@ -279,13 +288,7 @@ def render_pbs_script(job: SlurmJob) -> str:
         f"export GPUS_PER_NODE={g}",
         "export NNODES=\"$(sort -u \"$PBS_NODEFILE\" | wc -l)\"",
         "# Optimizer-state scratch, unique per job; each rank's optimizer makes its own 0700 dir inside.",
-        f"export MLP_NVME_BASE={_q(job.nvme_path.rstrip('/'))}",
-        "export MLP_NVME_DIR=\"$MLP_NVME_BASE/megatron-mlp-$JOB_ID\"",
-    ]
-    if job.pfs_path:
-        lines += [f"export MLP_PFS_BASE={_q(job.pfs_path.rstrip('/'))}",
-                  "export MLP_PFS_DIR=\"$MLP_PFS_BASE/megatron-mlp-$JOB_ID\""]
-    lines += [
+        *_scratch_exports(job, "$JOB_ID"),
         f"export MLP_CALIBRATION_CACHE={_q(job.calibration_cache)}",
         "export MASTER_ADDR=\"$(head -n 1 \"$PBS_NODEFILE\")\"",
         f"export MASTER_PORT={job.master_port}",
@@ -316,21 +319,15 @@ def render_pbs_script(job: SlurmJob) -> str:
     if job.pfs_path:
         lines.append("(umask 077 && mkdir -p -m 700 \"$MLP_PFS_DIR\") || exit 1")
     if job.calibrate:
-        calib_paths = "$MLP_NVME_BASE" + (";$MLP_PFS_BASE" if job.pfs_path else "")
         lines += [
             "",
             "# 2. Tier bandwidth per node into a cache file kept across jobs (measured once per node).",
             "mkdir -p \"$MLP_CALIBRATION_CACHE\"",
             "per_node bash -c 'exec \"$0\" -m megatron_mlp calibrate --paths \"$1\" --procs \"$GPUS_PER_NODE\" "
             "--cache \"$MLP_CALIBRATION_CACHE/$(hostname -s).json\"' "
-            f"\"$PYTHON\" \"{calib_paths}\" || exit 1",
+            f"\"$PYTHON\" \"{_calibration_paths(job)}\" || exit 1",
         ]
-        calib_flag = " --mlp-offload-calibration '$MLP_CALIBRATION_CACHE/$MLP_NODE.json'"
-    else:
-        calib_flag = " --mlp-offload-calibration off"
-    mlp = f"--mlp-offload --mlp-offload-paths '{_paths_spec(job)}'{calib_flag}"
-    if job.mlp_args:
-        mlp += " " + job.mlp_args
+    mlp = _offload_flags(job, "$MLP_NODE")
     train_args = (f"{job.model_args} --use-distributed-optimizer --exit-signal-handler "
                   f"--exit-duration-in-mins \"$EXIT_MINUTES\" {mlp}").strip()
     lines += [
