@@ -1,6 +1,7 @@
 """Node-level tier tokens: mutual exclusion, crash safety, non-blocking try, FIFO fairness, tier order."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import random
@@ -98,22 +99,29 @@ def _hold_forever(rundir, key, ready):
     time.sleep(600)
 
 
-def test_sigkill_of_holder_frees_token_within_a_second(rundir):
+@contextlib.contextmanager
+def _held_by_another_process(rundir, key):
+    """Yields a process that holds token ``key`` (until it is killed, at the latest on exit)."""
     ready = CTX.Event()
-    p = CTX.Process(target=_hold_forever, args=(rundir, "nvme", ready))
+    p = CTX.Process(target=_hold_forever, args=(rundir, key, ready))
     p.start()
     try:
         assert ready.wait(10)
+        yield p
+    finally:
+        p.kill()
+        p.join()
+
+
+def test_sigkill_of_holder_frees_token_within_a_second(rundir):
+    with _held_by_another_process(rundir, "nvme") as holder:
         tok = TierToken(key="nvme", runtime_dir=rundir)
         assert not tok.try_acquire()
-        os.kill(p.pid, signal.SIGKILL)
+        os.kill(holder.pid, signal.SIGKILL)
         t0 = time.monotonic()
         assert tok.acquire(timeout=1.0), "token not freed within a second of SIGKILL"
         assert time.monotonic() - t0 < 1.0
         tok.release()
-    finally:
-        p.kill()
-        p.join()
 
 
 def _hold_then_fork_a_worker(rundir, key, ready, child_pid):
@@ -151,11 +159,7 @@ def test_sigkill_frees_token_when_holder_forked_a_child_that_lives_on(rundir):
 
 
 def test_try_acquire_returns_false_without_waiting_when_token_is_held(rundir):
-    ready = CTX.Event()
-    p = CTX.Process(target=_hold_forever, args=(rundir, "nvme", ready))
-    p.start()
-    try:
-        assert ready.wait(10)
+    with _held_by_another_process(rundir, "nvme"):
         tok = TierToken(key="nvme", runtime_dir=rundir)
         # The holder keeps it for minutes: any call that waited would take far longer than this bound.
         for _ in range(50):
@@ -165,9 +169,6 @@ def test_try_acquire_returns_false_without_waiting_when_token_is_held(rundir):
         t0 = time.monotonic()
         assert tok.acquire(timeout=0.2) is False
         assert 0.15 <= time.monotonic() - t0 < 2.0
-    finally:
-        p.kill()
-        p.join()
 
 
 def test_try_acquire_yields_to_queued_waiters_when_slot_is_free(rundir):
