@@ -45,6 +45,8 @@ def build_model(spec: TinyGPT, *, grad_reduce_in_fp32: bool = False, bucket_size
                 overlap_grad_reduce: bool = False):
     """GPTModel (local spec) in bf16/fp16 via Float16Module, wrapped in Megatron's DDP.
 
+    Under pipeline parallelism this rank builds its own stage: the embedding on the first, the
+    output layer and loss on the last, ``num_layers / PP`` transformer layers on each.
     Returns a one-element list of model chunks, as get_megatron_optimizer expects.
     """
     from megatron.core import parallel_state
@@ -59,6 +61,7 @@ def build_model(spec: TinyGPT, *, grad_reduce_in_fp32: bool = False, bucket_size
         num_layers=spec.num_layers, hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads, use_cpu_initialization=True,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         pipeline_dtype=torch.bfloat16 if spec.bf16 else (torch.float16 if spec.fp16 else torch.float32),
         bf16=spec.bf16, fp16=spec.fp16, params_dtype=torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0,
@@ -67,7 +70,8 @@ def build_model(spec: TinyGPT, *, grad_reduce_in_fp32: bool = False, bucket_size
     )
     model = GPTModel(config=tconf, transformer_layer_spec=get_gpt_layer_local_spec(),
                      vocab_size=spec.vocab_size, max_sequence_length=spec.seq_length,
-                     pre_process=True, post_process=True)
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
     if spec.bf16 or spec.fp16:
         model = Float16Module(tconf, model)
     ddp_kwargs = dict(grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
@@ -125,6 +129,42 @@ def train_step(spec: TinyGPT, model, optimizer, iteration: int, scheduler=None) 
     reported = loss.detach().clone()
     torch.distributed.all_reduce(reported, group=parallel_state.get_data_parallel_group())
     return float(reported) / parallel_state.get_data_parallel_world_size()
+
+
+def pipeline_train_step(spec: TinyGPT, model, optimizer, iteration: int) -> float | None:
+    """One step through Megatron's pipeline schedule (one micro-batch); the loss on the last stage.
+
+    The schedule sends activations and gradients between the stages, and ``finalize_model_grads``
+    reduces the data-parallel gradients and the embedding gradient shared by the first and last
+    stages, as Megatron-LM's training loop does. Returns None on the other stages.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+
+    tokens, labels, loss_mask, position_ids = batch(spec, iteration, parallel_state.get_data_parallel_rank())
+    config = get_model_config(model[0])
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+
+    def loss_func(output):
+        loss = (output.float() * loss_mask).sum() / loss_mask.sum()
+        return loss, {"loss": loss.detach()}
+
+    def forward_step(data_iterator, chunk):
+        return chunk(tokens, position_ids, None, labels=labels), loss_func
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=None, model=model, num_microbatches=1,
+        seq_length=spec.seq_length, micro_batch_size=spec.micro_batch_size, forward_only=False)
+    optimizer.step()
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    return float(outputs[0]["loss"])
 
 
 def model_params(model) -> dict[str, torch.Tensor]:

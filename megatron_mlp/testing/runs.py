@@ -11,7 +11,7 @@ import torch
 
 
 def build(spec, tp: int, mlp_config=None, *, grad_reduce_in_fp32: bool = False, inner_factory=None,
-          opt_overrides: dict | None = None):
+          opt_overrides: dict | None = None, pp: int = 1):
     """Parallel state + tiny GPT + Megatron's optimizer (ours when ``mlp_config`` is given)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
@@ -19,7 +19,7 @@ def build(spec, tp: int, mlp_config=None, *, grad_reduce_in_fp32: bool = False, 
     from megatron_mlp.testing import gpt, install_cpu_harness
 
     install_cpu_harness()
-    gpt.init_model_parallel(tp=tp, seed=spec.seed)
+    gpt.init_model_parallel(tp=tp, pp=pp, seed=spec.seed)
     model = gpt.build_model(spec, grad_reduce_in_fp32=grad_reduce_in_fp32)
     with mlp_offload_optimizers(mlp_config, inner_factory):
         opt = get_megatron_optimizer(gpt.optimizer_config(spec, **(opt_overrides or {})), model)
@@ -50,6 +50,16 @@ def train(rank, world_size, spec, tp, mlp_config, iters, grad_reduce_in_fp32=Fal
     params = gpt.model_params(model)
     params["__skipped_steps__"] = torch.tensor(sum(skipped))
     return losses, params
+
+
+def train_pipeline(rank, world_size, spec, pp, mlp_config, iters):
+    """Train ``iters`` steps through Megatron's pipeline schedule with ``pp`` stages (TP=1, the
+    rest data-parallel); returns (losses on the last stage, None elsewhere; params-by-name)."""
+    from megatron_mlp.testing import gpt
+
+    model, opt = build(spec, 1, mlp_config, pp=pp)
+    losses = [gpt.pipeline_train_step(spec, model, opt, i) for i in range(iters)]
+    return losses, gpt.model_params(model)
 
 
 def device_state_report(rank, world_size, spec, tp, mlp_config, iters, inner_factory=None):

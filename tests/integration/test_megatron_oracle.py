@@ -18,7 +18,7 @@ from megatron_mlp.config import MLPOffloadConfig  # noqa: E402
 from megatron_mlp.testing import gpt  # noqa: E402
 from megatron_mlp.testing.multiproc import run_distributed  # noqa: E402
 from megatron_mlp.testing.reference_offload import InMemoryAdam  # noqa: E402
-from megatron_mlp.testing.runs import device_state_report, train  # noqa: E402
+from megatron_mlp.testing.runs import device_state_report, train, train_pipeline  # noqa: E402
 
 
 def _offload_adam_ready() -> str | None:
@@ -72,6 +72,19 @@ REAL = pytest.mark.skipif(_offload_adam_ready() is not None, reason=str(_offload
 def test_losses_and_params_bitwise_equal_stock_when_bf16_grad_buffer(tmp_path, tp, settings):
     ours = run_distributed(train, 2, SPEC, tp, _config(tmp_path, **settings), ITERS)
     _assert_bitwise(ours, _stock(tp))
+
+
+@REAL
+def test_pipeline_parallel_stages_bitwise_equal_stock(tmp_path):
+    """PP=2 through Megatron's pipeline schedule: each stage has its own optimizer and shard, the
+    grad norm for clipping spans both stages, and the embedding shared by the first and last stage
+    is reduced between them. Every stage's params and the last stage's losses equal stock's."""
+    stock = run_distributed(train_pipeline, 2, SPEC, 2, None, ITERS)
+    ours = run_distributed(train_pipeline, 2, SPEC, 2,
+                           _config(tmp_path, num_tiers=2, subgroup_params=4096, host_cache_bytes=1 << 16), ITERS)
+    assert stock[0][0] == [None] * ITERS and all(loss is not None for loss in stock[1][0])
+    assert set(stock[0][1]) != set(stock[1][1]), "each rank must hold its own stage"
+    _assert_bitwise(ours, stock)
 
 
 @REAL

@@ -1,4 +1,4 @@
-"""End to end: Megatron-LM's own pretrain_gpt.py with --mlp-offload on CPU (gloo), DP=2.
+"""End to end: Megatron-LM's own pretrain_gpt.py with --mlp-offload on CPU (gloo), DP=2 and PP=2.
 
 Needs a Megatron-LM checkout (core_r0.13.0 ... main) in MEGATRON_LM_PATH and the packages its
 training imports (see docs/usage.md, "CPU smoke run"); CI has no checkout, so this is skipped
@@ -49,11 +49,12 @@ def _vocab_args() -> list[str]:
 ITER_RE = re.compile(r"iteration +(\d+)/ *\d+ .*lm loss: ([0-9.E+-]+) .*grad norm: ([0-9.]+)")
 
 
-def _torchrun(script: str, args: list[str], tmp: Path, launcher: bool) -> tuple[str, dict[int, tuple[str, str]]]:
+def _torchrun(script: str, args: list[str], tmp: Path, launcher: bool,
+              extra_env: dict | None = None) -> tuple[str, dict[int, tuple[str, str]]]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531"]
     cmd += ["-m", "megatron_mlp.launch", script] if launcher else [script]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", **(extra_env or {}))
     proc = subprocess.run(cmd + TINY_GPT + _vocab_args() + args, cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
@@ -107,3 +108,24 @@ def test_patched_pretrain_gpt_trains_saves_and_resumes(tmp_path):
                              capture_output=True, text=True)
     assert applied.returncode == 0, applied.stderr
     _save_resume_and_compare(str(view / "pretrain_gpt.py"), tmp_path, launcher=False)
+
+
+def test_pipeline_parallel_matches_stock_and_resumes(tmp_path):
+    """PP=2 (one stage per rank, DP=1): every iteration's loss and grad norm equal stock
+    DistributedOptimizer's under the same CPU harness, and a checkpoint saved at iteration 4
+    (each stage saves its own optimizer state) resumes into the same grad norms."""
+    script = os.path.join(MEGATRON_LM_PATH, "pretrain_gpt.py")
+    pp = ["--pipeline-model-parallel-size", "2"]
+    _, stock = _torchrun(script, pp, tmp_path, launcher=True, extra_env={"MLP_OFFLOAD_CPU": "1"})
+    offload = pp + _offload_args(tmp_path)
+    ours_out, ours = _torchrun(script, offload, tmp_path, launcher=True)
+    assert "optimizer-mlp-offload-update" in ours_out, "the offloading optimizer must have run"
+    assert sorted(stock) == list(range(1, 9)) and ours == stock
+    ckpt = tmp_path / "ckpt"
+    _torchrun(script, offload + ["--save", str(ckpt), "--save-interval", "4", "--exit-interval", "4"],
+              tmp_path, launcher=True)
+    resume_out, resumed = _torchrun(script, offload + ["--load", str(ckpt)], tmp_path, launcher=True)
+    assert "successfully loaded checkpoint" in resume_out and sorted(resumed) == [5, 6, 7, 8]
+    assert {i: resumed[i][1] for i in resumed} == {i: stock[i][1] for i in resumed}, "grad norms after resume"
+    for tier in _tiers(tmp_path):
+        assert not any(tier.iterdir()), f"scratch left in {tier}"
