@@ -25,38 +25,6 @@ class _FakeDeviceProperties:
     multi_processor_count = 1
 
 
-class _FakeStream:
-    """A CUDA stream on the CPU: work is synchronous, so every wait is already satisfied."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, *args, **kwargs):
-        return None
-
-    wait_event = synchronize = wait_stream
-
-    def record_event(self, *args, **kwargs):
-        return _FakeEvent()
-
-    def query(self) -> bool:
-        return True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-class _FakeEvent(_FakeStream):
-    def record(self, *args, **kwargs):
-        return None
-
-    def elapsed_time(self, *args, **kwargs) -> float:
-        return 0.0
-
-
 def _noop(*args, **kwargs):
     return None
 
@@ -77,6 +45,7 @@ def install() -> None:
         os.environ.setdefault("MLP_OFFLOAD_CPU", "1")
 
         from megatron_mlp.testing import install_cpu_harness
+        from megatron_mlp.testing.harness import CpuEvent, CpuStream
 
         install_cpu_harness()  # refuses on a machine with CUDA: checked before any patch below
         import torch
@@ -93,14 +62,19 @@ def install() -> None:
         # _initialize_distributed() builds the model-parallel groups only when device_count() > 0,
         # then calls set_device(local_rank): one "device" per process, and nothing to select.
         patch(cuda, "device_count", lambda: 1)
+        if hasattr(torch, "accelerator"):
+            # ... but the DataLoader (pin_memory=True in Megatron's loaders) asks torch.accelerator,
+            # which on a CUDA build of torch reports CUDA through the patch above and would then
+            # initialise it to pin batches: there is no device to pin for.
+            patch(torch.accelerator, "is_available", lambda: False)
         patch(cuda, "set_device", _noop)
         # get_model() builds DDP inside `with torch.cuda.stream(torch.cuda.Stream())` after
         # ddp_stream.wait_stream(current_stream()); CPU work is synchronous.
-        patch(cuda, "Stream", _FakeStream)
-        patch(cuda, "Event", _FakeEvent)
-        patch(cuda, "current_stream", lambda *a, **k: _FakeStream())
-        patch(cuda, "default_stream", lambda *a, **k: _FakeStream())
-        patch(cuda, "stream", lambda *a, **k: _FakeStream())
+        patch(cuda, "Stream", CpuStream)
+        patch(cuda, "Event", CpuEvent)
+        patch(cuda, "current_stream", lambda *a, **k: CpuStream())
+        patch(cuda, "default_stream", lambda *a, **k: CpuStream())
+        patch(cuda, "stream", lambda *a, **k: CpuStream())
         # Timers, checkpoint and memory reports call these; there is nothing to wait for or free.
         patch(cuda, "synchronize", _noop)
         patch(cuda, "empty_cache", _noop)

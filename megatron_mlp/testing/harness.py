@@ -88,6 +88,49 @@ def _no_fork(self, name=None):
     yield
 
 
+class CpuStream:
+    """Patch 6: a CUDA stream on the CPU, what ``torch.cuda.current_stream()`` returns.
+
+    Megatron-Core 0.17+ orders the gradient reduction after CUDA-graph replays by making the
+    current stream wait for per-param events; on the CPU every op has completed when it returns,
+    so each wait is already satisfied. (The Megatron-LM launcher also builds streams and events:
+    ``megatron_mlp.megatron.cpu_launch``.)
+    """
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        return None
+
+    wait_event = synchronize = wait_stream
+
+    def record_event(self, *args, **kwargs):
+        return CpuEvent()
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class CpuEvent(CpuStream):
+    """A CUDA event on the CPU: recorded work is already complete."""
+
+    def record(self, *args, **kwargs):
+        return None
+
+    def elapsed_time(self, *args, **kwargs) -> float:
+        return 0.0
+
+
+_CPU_STREAM = CpuStream()
+
+
 def install_cpu_harness() -> None:
     """Map Megatron-Core's CUDA assumptions onto the CPU (idempotent).
 
@@ -106,6 +149,7 @@ def install_cpu_harness() -> None:
         _STATE["orig_current_device"] = torch.cuda.current_device
         _STATE["orig_fork"] = mrandom.CudaRNGStatesTracker.fork
         _STATE["orig_synchronize"] = torch.cuda.synchronize
+        _STATE["orig_current_stream"] = torch.cuda.current_stream
         # Patch 1 (see _CudaToCpuMode). Entered globally, not as a context: Megatron's calls
         # happen across the whole training loop.
         mode = _CudaToCpuMode()
@@ -121,6 +165,8 @@ def install_cpu_harness() -> None:
         # Patch 5: torch.cuda.synchronize() is a no-op (CPU ops are synchronous). Needed only by
         # checkpoint saving (dist_checkpointing's tensor preload), not by training.
         torch.cuda.synchronize = lambda device=None: None
+        # Patch 6 (see CpuStream).
+        torch.cuda.current_stream = lambda device=None: _CPU_STREAM
         # Gloo is the only backend here; dynamo would try to compile Megatron's jit'd
         # fusions for a device that does not exist.
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -138,6 +184,7 @@ def uninstall_cpu_harness() -> None:
         torch.cuda.current_device = _STATE["orig_current_device"]
         mrandom.CudaRNGStatesTracker.fork = _STATE["orig_fork"]
         torch.cuda.synchronize = _STATE["orig_synchronize"]
+        torch.cuda.current_stream = _STATE["orig_current_stream"]
         _STATE.clear()
 
 

@@ -44,14 +44,23 @@ def test_current_device_and_rng_fork_do_not_touch_cuda_when_installed(harness):
     torch.cuda.synchronize()  # checkpoint saving calls it
 
 
+def test_current_stream_waits_are_satisfied_when_installed(harness):
+    """Megatron-Core 0.17+ makes the current stream wait for CUDA-graph events before reducing grads."""
+    stream = torch.cuda.current_stream()
+    stream.wait_event(stream.record_event())
+    stream.wait_stream(stream)
+    assert stream.query()
+
+
 def test_install_is_idempotent_and_uninstall_restores_torch():
-    orig_type, orig_dev = torch.Tensor.type, torch.cuda.current_device
+    orig_type, orig_dev, orig_stream = torch.Tensor.type, torch.cuda.current_device, torch.cuda.current_stream
     install_cpu_harness()
     install_cpu_harness()
     assert cpu_harness_installed()
     uninstall_cpu_harness()
     assert not cpu_harness_installed()
     assert torch.Tensor.type is orig_type and torch.cuda.current_device is orig_dev
+    assert torch.cuda.current_stream is orig_stream
     assert torch.ones(1).type() == "torch.FloatTensor"
     with pytest.raises(Exception):
         torch.empty(1, device="cuda")
