@@ -252,6 +252,7 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
             return
         if getattr(self.ddp_config, "use_megatron_fsdp", False):  # field absent before 0.14
             raise ValueError("--mlp-offload does not support Megatron FSDP; use --use-distributed-optimizer")
+        _refuse_separately_clipped_params(self.model_param_group_index_map)
         self._build_flat_layout()
         factory = self.inner_factory or _default_inner_factory
         torch_groups = self.optimizer.param_groups  # the dicts the LR scheduler writes
@@ -341,7 +342,15 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         return self.found_inf.item() > 0
 
     def get_main_grads_for_grad_norm(self):
-        grads = super().get_main_grads_for_grad_norm()
+        """Megatron-Core <= 0.16 asks for the norm's gradients under this name."""
+        return self._grads_as_stock_norms_them(super().get_main_grads_for_grad_norm())
+
+    def get_grads_for_grad_norm(self, grad_norm_group=None):
+        """Megatron-Core 0.17+ renamed the method (and added separately clipped groups)."""
+        return self._grads_as_stock_norms_them(super().get_grads_for_grad_norm(grad_norm_group))
+
+    def _grads_as_stock_norms_them(self, grads):
+        """Our params' grads are the low-precision ones; stock takes the norm of fp32 copies."""
         if self.is_stub_optimizer:
             return grads
         inv = self.optimizer.inv_loss_scale
@@ -480,6 +489,18 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
 
     def restore_from_cpu(self):
         """See offload_to_cpu."""
+
+
+def _refuse_separately_clipped_params(model_params) -> None:
+    """Megatron-Core 0.17+ clips params tagged with a ``grad_norm_group`` (multi-token prediction:
+    'mtp') by their own norm; the kernel applies one clip coefficient per step, so such a model
+    would silently train differently from stock. Refuse it where it is detected."""
+    tagged = sorted({str(getattr(p, "grad_norm_group")) for p in model_params
+                     if getattr(p, "grad_norm_group", None) is not None})
+    if tagged:
+        raise ValueError(f"--mlp-offload: parameters in separately clipped grad-norm groups {tagged} "
+                         "(Megatron-Core multi-token prediction, --mtp-num-layers) are not supported yet; "
+                         "train without MTP or without --mlp-offload")
 
 
 def _l2norm_upcasts_in_registers() -> bool:

@@ -103,3 +103,31 @@ def test_dummy_timers_below_the_log_level_are_left_alone():
     from megatron.core.timers import DummyTimer
 
     assert add_elapsed(lambda name, log_level=None: DummyTimer(), PREFIX + "x", 1.0) is False
+
+
+def _build_with_mtp_tagged_param(rank, world_size, mlp_config):
+    """Our optimizer over a tiny GPT one of whose params Megatron would clip separately."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from megatron_mlp.testing import gpt, install_cpu_harness
+
+    install_cpu_harness()
+    gpt.init_model_parallel()
+    spec = gpt.TinyGPT()
+    model = gpt.build_model(spec)
+    next(model[0].parameters()).grad_norm_group = "mtp"   # what multi-token prediction layers get
+    try:
+        with mlp_offload_optimizers(mlp_config):
+            get_megatron_optimizer(gpt.optimizer_config(spec), model)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_separately_clipped_params_are_refused_at_construction(cfg):
+    """Megatron-Core 0.17+ clips multi-token-prediction params by their own norm; the kernel's one
+    clip coefficient would train them differently, so building the optimizer must fail, naming it."""
+    from megatron_mlp.testing.multiproc import run_distributed
+
+    message = run_distributed(_build_with_mtp_tagged_param, 1, cfg)[0]
+    assert message is not None and "['mtp']" in message and "--mtp-num-layers" in message
