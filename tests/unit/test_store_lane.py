@@ -35,11 +35,11 @@ def test_a_read_runs_while_the_previous_flush_is_still_being_checksummed(disk_di
     store = TierStore.create(0, parse_tier_paths(disk_dir)[0], list(plan), engine_factory=lambda spec: engine,
                              token_factory=lambda spec, direction: None, checksum=True, job_tag="lane-test")
     buffers = [engine.alloc(plan.max_region_bytes) for _ in range(3)]
+    crc_gate, crc_waiting = threading.Event(), threading.Event()
     try:
         for sg, buf in zip(plan, buffers):
             buf.torch(torch.float32).copy_(torch.arange(buf.torch(torch.float32).numel(), dtype=torch.float32) + sg.index)
             store.write_now(sg, buf)
-        crc_gate, crc_waiting = threading.Event(), threading.Event()
         real_crc = store_module._crc32c
 
         def gated_crc(region):
@@ -68,4 +68,5 @@ def test_a_read_runs_while_the_previous_flush_is_still_being_checksummed(disk_di
         store.read_now(plan[0], buffers[2])                # the new slot verifies against the new crc
         assert torch.equal(buffers[2].torch(torch.float32), buffers[0].torch(torch.float32))
     finally:
+        crc_gate.set()  # a failed assertion must not leave the checksum thread waiting
         store.close()   # closes the engine too
