@@ -131,3 +131,14 @@ def test_separately_clipped_params_are_refused_at_construction(cfg):
 
     message = run_distributed(_build_with_mtp_tagged_param, 1, cfg)[0]
     assert message is not None and "['mtp']" in message and "--mtp-num-layers" in message
+
+
+def test_the_norm_gradients_hook_of_the_installed_megatron_is_ours():
+    """Megatron-Core renamed the hook that hands gradients to the clip norm (0.17); whichever name
+    the installed version calls must be overridden, or the norm is taken from bf16-rounded values."""
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    names = [n for n in ("get_main_grads_for_grad_norm", "get_grads_for_grad_norm") if hasattr(MegatronOptimizer, n)]
+    assert names, "Megatron-Core has neither hook name: the norm path changed again"
+    for name in names:
+        assert getattr(MLPOffloadDistributedOptimizer, name) is not getattr(DistributedOptimizer, name), name
