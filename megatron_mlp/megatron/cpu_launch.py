@@ -69,10 +69,10 @@ def install() -> None:
             patch(torch.accelerator, "is_available", lambda: False)
         patch(cuda, "set_device", _noop)
         # get_model() builds DDP inside `with torch.cuda.stream(torch.cuda.Stream())` after
-        # ddp_stream.wait_stream(current_stream()); CPU work is synchronous.
+        # ddp_stream.wait_stream(current_stream()); CPU work is synchronous. (current_stream() is
+        # the harness's own patch.)
         patch(cuda, "Stream", CpuStream)
         patch(cuda, "Event", CpuEvent)
-        patch(cuda, "current_stream", lambda *a, **k: CpuStream())
         patch(cuda, "default_stream", lambda *a, **k: CpuStream())
         patch(cuda, "stream", lambda *a, **k: CpuStream())
         # Timers, checkpoint and memory reports call these; there is nothing to wait for or free.
