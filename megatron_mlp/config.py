@@ -65,6 +65,11 @@ class MLPOffloadConfig:
     """--mlp-offload-no-cache-order clears it: always ascending, no host cache reuse."""
     deferred_upcast: bool = True
     """--mlp-offload-no-deferred-upcast clears it: gradients converted to fp32 before the update."""
+    warm_buffers: bool = True
+    """--mlp-offload-no-warm-buffers clears it: the pool's working buffers forget a subgroup once its
+    write-back is done. Set (with the alternating order), the buffers no fetch needed keep the
+    last subgroups written back, and the next step, which runs the other way, starts with them
+    without reading them: fewer bytes read, no extra host memory."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """Free-form annotations (job id, ...); never read by the components."""
 

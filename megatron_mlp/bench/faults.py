@@ -83,6 +83,7 @@ def _config(paths, spec, **overrides):
     from megatron_mlp.config import MLPOffloadConfig
     kw = dict(subgroup_params=spec["subgroup_params"], use_tokens=False, calibration="off",
               host_cache_bytes=spec.get("host_cache_bytes", 0), io_timeout_s=spec.get("io_timeout_s", 300.0),
+              prefetch_depth=spec.get("prefetch_depth", 2), flush_depth=spec.get("flush_depth", 2),
               extra={"job_id": spec.get("job_id", "faultbench")})
     kw.update(overrides)
     return MLPOffloadConfig.from_paths(";".join(paths), **kw)
@@ -180,8 +181,15 @@ class _Campaign:
         elif kind == "short_write":
             eng.inject_fault(nth=1, short=True, op="write")
         elif kind == "corrupt":
-            cands = [i for i, t in enumerate(opt.tier_of) if t == store.index and i not in opt._resident]
-            sg = opt.plan[rng.choice(cands)]
+            # A subgroup the next step reads from storage: not in host memory (cached or warm).
+            held = set(opt._resident) | set(opt._warm)
+            cands = [(i, s) for s in healthy for i, t in enumerate(opt.tier_of) if t == s.index and i not in held]
+            if not cands:
+                from megatron_mlp.errors import ConfigError
+                raise ConfigError(f"--num-params: {opt.numel} params fit in host memory (cache and warm buffers), "
+                                  f"so nothing is read back to find a corruption in; use more params")
+            index, store = rng.choice(cands)
+            sg = opt.plan[index]
             rec = store.records[sg.index]
             fd = os.open(store.file_path, os.O_RDWR)
             try:
@@ -345,7 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     spec = {"steps": args.steps, "faults": args.faults_per_kind, "num_params": args.num_params,
             "subgroup_params": args.subgroup_params, "checkpoint_every": args.checkpoint_every,
-            "io_timeout_s": 120.0, "host_cache_bytes": 12 * args.subgroup_params + 3 * 4096}
+            "io_timeout_s": 120.0, "host_cache_bytes": 12 * args.subgroup_params + 3 * 4096,
+            # A small working set, so that host memory (cache plus warm buffers) cannot hold every
+            # subgroup and each step reads some back: that is where corruption must be caught.
+            "prefetch_depth": 1, "flush_depth": 1}
     created_shm: list[str] = []
     try:
         def tiers(name):

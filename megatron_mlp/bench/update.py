@@ -11,14 +11,19 @@ figures alike:
 3. the ablation, adding the design principles one at a time to the baseline: gradients kept in
    host memory (an fp32 copy, no gradient I/O: the first half of principle 4), multi-path
    placement, tier tokens, cache-friendly ordering, in-register upcast (no fp32 copy: the second
-   half of principle 4) -- the last row is MLP-Offload;
+   half of principle 4), warm working buffers (the subgroups written back last stay in the
+   pool's working buffers, and the next step, running the other way, uses them without a read)
+   -- the last row is MLP-Offload;
 4. the placement model's predicted I/O time and the I/O lower bound: the bytes MLP-Offload moved
    per step on each tier divided by that tier's bandwidth from (1) -- read time + write time on a
    tier whose reads and writes share one limit, the larger of the two (or their sum over the
    combined bandwidth, whichever is larger) on one where they do not;
-5. the policy floor and the speedup ceiling: the least time any schedule could need to move the
-   state outside the host cache once each way over these tiers (``policy_floor``), and the
-   baseline's time over it -- what no implementation of the policy could exceed in this run.
+5. the policy floor and the speedup ceiling: the least time any schedule could need to write the
+   state outside the host cache, and read what the warm buffers do not hold, over these tiers
+   (``policy_floor``), and the baseline's time over it -- what no implementation of the policy
+   could exceed in this run;
+6. the host memory each side holds: the baseline's double buffers, MLP-Offload's pool (cache plus
+   working buffers, the same memory whether the buffers stay warm or not).
 
 A path with ``qos=`` is an emulated slower tier (the engine's bandwidth cap) and is labelled so.
 Times are medians over the steps after the first (the first fills the host cache).
@@ -39,17 +44,19 @@ import time
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier.spec import TierSpec, parse_size, parse_tier_paths
 
+_OFF = dict(multipath=False, use_tokens=False, cache_order=False, deferred_upcast=False, warm_buffers=False)
 ABLATION = (
     # (name, config overrides) -- cumulative: each row adds one principle to the previous one. The
     # first row is the baseline minus its gradient round trip through storage (the first half of
-    # principle 4); the last row adds the in-register upcast (its second half) and is MLP-Offload.
-    ("+ grads kept in host memory (fp32 copy)", dict(multipath=False, use_tokens=False, cache_order=False,
-                                                     deferred_upcast=False)),
-    ("+ multi-path placement", dict(multipath=True, use_tokens=False, cache_order=False, deferred_upcast=False)),
-    ("+ tier tokens", dict(multipath=True, use_tokens=True, cache_order=False, deferred_upcast=False)),
-    ("+ cache-friendly order", dict(multipath=True, use_tokens=True, cache_order=True, deferred_upcast=False)),
-    ("+ in-register upcast (= MLP-Offload)", dict(multipath=True, use_tokens=True, cache_order=True,
-                                                  deferred_upcast=True)),
+    # principle 4); the fifth adds the in-register upcast (its second half); the last adds the warm
+    # working buffers (principle 3 carried over to the pool's working set) and is MLP-Offload.
+    ("+ grads kept in host memory (fp32 copy)", dict(_OFF)),
+    ("+ multi-path placement", dict(_OFF, multipath=True)),
+    ("+ tier tokens", dict(_OFF, multipath=True, use_tokens=True)),
+    ("+ cache-friendly order", dict(_OFF, multipath=True, use_tokens=True, cache_order=True)),
+    ("+ in-register upcast", dict(_OFF, multipath=True, use_tokens=True, cache_order=True, deferred_upcast=True)),
+    ("+ warm working buffers (= MLP-Offload)", dict(multipath=True, use_tokens=True, cache_order=True,
+                                                    deferred_upcast=True, warm_buffers=True)),
 )
 
 
@@ -156,20 +163,67 @@ def io_time_bound(read_bytes: float, write_bytes: float, bw: dict) -> float:
     return min(serial, overlapped)
 
 
-def policy_floor(state_bytes: float, cache_bytes: float, bandwidth: list[dict]) -> float:
+def policy_floor(state_bytes: float, cache_bytes: float, bandwidth: list[dict], warm_bytes: float = 0.0) -> float:
     """Least update time any schedule under MLP-Offload's byte policy could reach on these tiers.
 
-    Every byte of state outside the host cache is read once and written once per step, back to
-    the tier it came from (the alternating order lets the cached bytes skip one read and one
-    write; over a pair of steps each tier writes what it reads), and nothing else moves.
-    The floor lets the cache hold any fraction of a subgroup and splits the remaining bytes over
-    the tiers as a fluid, so each tier finishes at the same instant: no placement, subgroup size
-    or pipeline can beat it, and ``baseline_s / floor`` caps the speedup this run could show.
+    Every byte of state outside the host cache is written once per step, and read once unless the
+    warm working buffers (``warm_bytes``) still hold it; nothing else moves (the alternating order
+    lets the cached bytes skip one read and one write). The floor lets the cache and the warm
+    buffers hold any fraction of a subgroup and splits the reads and the writes over the tiers as
+    a fluid -- each tier any share of each, a relaxation of "a subgroup is written back where it
+    was read" -- so no placement, subgroup size or pipeline can beat it, and
+    ``baseline_s / floor`` caps the speedup this run could show.
     """
-    moved = max(0.0, state_bytes - cache_bytes)
-    # Bytes per second of "read once + write once" each tier sustains alone.
-    rates = [1.0 / io_time_bound(1.0, 1.0, bw) for bw in bandwidth]
-    return moved / sum(rates) if moved else 0.0
+    writes = max(0.0, state_bytes - cache_bytes)
+    reads = max(0.0, writes - warm_bytes)
+    if not writes:
+        return 0.0
+    if reads == writes:
+        # Same mix on every tier: bytes per second of "read once + write once" each sustains alone.
+        return writes / sum(1.0 / io_time_bound(1.0, 1.0, bw) for bw in bandwidth)
+    return _fluid_split_time(reads, writes, bandwidth)
+
+
+def _fluid_split_time(reads: float, writes: float, bandwidth: list[dict], grid: int = 400) -> float:
+    """min T such that the tiers can read ``reads`` and write ``writes`` bytes in T, each tier
+    taking any (r_j, w_j) with ``io_time_bound(r_j, w_j) <= T``.
+
+    Bisection on T; for a given T the most bytes the tiers can write while reading ``reads`` comes
+    from a max-plus convolution over a grid of read shares. Each tier's writes are evaluated one
+    grid step *below* its read share, so the grid errs on the fast side: the result stays a lower
+    bound (within ~1/grid of the exact one).
+    """
+    import numpy as np
+
+    step = reads / grid
+    units = np.arange(grid + 1)
+
+    def max_writes(bw, t, r):
+        rr, ww = bw["read_bytes_per_s"], bw["write_bytes_per_s"]
+        cc = bw["concurrent_bytes_per_s"]
+        fits = r <= rr * t
+        serial = ww * (t - r / rr)
+        overlapped = np.minimum(ww * t, cc * t - r)
+        return np.where(fits, np.maximum(np.maximum(serial, overlapped), 0.0), -np.inf)
+
+    def feasible(t):
+        best = np.full(grid + 1, -np.inf)
+        best[0] = 0.0
+        for bw in bandwidth:
+            tier = max_writes(bw, t, np.maximum(units - 1, 0) * step)
+            # best'[a] = max_b best[a - b] + tier[b]
+            table = best[None, :] + np.where(units[:, None] >= units[None, :],
+                                             tier[np.clip(units[:, None] - units[None, :], 0, grid)], -np.inf)
+            best = table.max(axis=1)
+        return best[grid] >= writes
+
+    lo, hi = 0.0, sum(io_time_bound(reads, writes, bw) for bw in bandwidth[:1]) or 1.0
+    while not feasible(hi):
+        hi *= 2
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+    return hi
 
 
 # ----------------------------------------------------------------------------- one rank
@@ -275,7 +329,7 @@ def _per_step_max(results, pick):
 
 
 def summarize(args, tiers, bandwidth, results) -> dict:
-    from megatron_mlp.optim.placement import plan_for
+    from megatron_mlp.optim.placement import plan_for, warm_subgroups
     from megatron_mlp.optim.subgroups import SubgroupPlan
 
     base_steps = _per_step_max(results, lambda r: r["baseline"]["steps_s"])
@@ -305,7 +359,7 @@ def summarize(args, tiers, bandwidth, results) -> dict:
     tier_rows = []
     for j, bw in enumerate(bandwidth):
         rd = wr = 0.0
-        hits = 0
+        hits = warm = 0
         for per_rank in last_stats:
             chosen = per_rank[steady]
             for st in chosen:
@@ -314,16 +368,19 @@ def summarize(args, tiers, bandwidth, results) -> dict:
                         rd += t["bytes_read"] / len(chosen)
                         wr += t["bytes_written"] / len(chosen)
                         hits += t["cache_hits"]
+                        warm += t["warm_hits"]
         bound = io_time_bound(rd, wr, bw)
         tier_rows.append({**bw, "label": "emulated" if bw["emulated"] else "real",
                           "mlp_bytes_read_per_step": rd, "mlp_bytes_written_per_step": wr,
-                          "mlp_cache_hits": hits, "lower_bound_s": bound})
+                          "mlp_cache_hits": hits, "mlp_warm_hits": warm, "lower_bound_s": bound})
     lower_bound_s = max(row["lower_bound_s"] for row in tier_rows)
     numel = args.num_params // args.ranks
     plan = SubgroupPlan([(0, numel)], args.subgroup_params)
     placement = plan_for(plan, _config(args, tiers), args.ranks)
     # Bytes of state over all ranks (fp32 params, exp_avg, exp_avg_sq) and of their host caches.
-    floor_s = policy_floor(12.0 * args.num_params, float(args.host_cache) * args.ranks, bandwidth)
+    # The warm buffers of MLP-Offload's configuration: whole subgroups the working set holds over.
+    warm_bytes = warm_subgroups(_config(args, tiers)) * plan.max_region_bytes * args.ranks
+    floor_s = policy_floor(12.0 * args.num_params, float(args.host_cache) * args.ranks, bandwidth, warm_bytes)
     base_last = results[0]["baseline"]["last"]
     mlp_last = last_stats[0][-1]
     return {
@@ -341,6 +398,7 @@ def summarize(args, tiers, bandwidth, results) -> dict:
         "baseline_bytes_read_per_step": base_last["bytes_read"] * args.ranks,
         "baseline_bytes_written_per_step": base_last["bytes_written"] * args.ranks,
         "baseline_compute_s": base_last["compute_s"],
+        "baseline_host_bytes": results[0]["baseline"]["peak_host_bytes"] * args.ranks,
         "mlp_s": mlp_s, "mlp_min_s": mlp["min_s"], "mlp_max_s": mlp["max_s"],
         "mlp_steps_s": _per_step_max(results, lambda r: r["variants"][mlp_index]["steps_s"]),
         "speedup": baseline_s / mlp_s if mlp_s > 0 else None,
@@ -348,11 +406,13 @@ def summarize(args, tiers, bandwidth, results) -> dict:
         "lower_bound_s": lower_bound_s,
         "mlp_vs_lower_bound": mlp_s / lower_bound_s if lower_bound_s > 0 else None,
         "policy_floor_s": floor_s,
+        "mlp_warm_bytes": warm_bytes,
         "speedup_ceiling": baseline_s / floor_s if floor_s > 0 else None,
         "predicted_s": placement.total_seconds,
         "placement": placement.to_dict(),
         "mlp_tier_of": results[0]["variants"][mlp_index]["tier_of"],
         "mlp_host_limit_bytes": results[0]["variants"][mlp_index]["host_limit_bytes"],
+        "mlp_host_bytes": results[0]["variants"][mlp_index]["host_limit_bytes"] * args.ranks,
         "mlp_no_checksum_s": extra.get("seconds"),
         "checksum_cost_s": mlp_s - extra["seconds"] if extra else None,
         "mlp_checksum_thread_s": sum(t["checksum_s"] for t in mlp_last["tiers"]),
@@ -385,8 +445,11 @@ def _text(summary) -> str:
                  f"placement model predicted {summary['predicted_s']:.2f} s")
     if summary["speedup_ceiling"] is not None:
         lines.append(f"ceiling: no schedule under this byte policy beats {summary['policy_floor_s']:.2f} s on these "
-                     f"bandwidths (cache used to the byte, a fluid split), so {summary['speedup_ceiling']:.2f}x is "
-                     f"the largest speedup this run could show")
+                     f"bandwidths (cache and warm buffers used to the byte, a fluid split), so "
+                     f"{summary['speedup_ceiling']:.2f}x is the largest speedup this run could show")
+    lines.append(f"host memory, all ranks: baseline {summary['baseline_host_bytes'] / gb:.2f} GB (double buffers), "
+                 f"MLP-Offload {summary['mlp_host_bytes'] / gb:.2f} GB (cache + working buffers; "
+                 f"{summary['mlp_warm_bytes'] / gb:.2f} GB of the latter stay warm between steps)")
     if summary["emulated_paths"]:
         lines.append(f"note: {', '.join(summary['emulated_paths'])} emulated (engine bandwidth cap), not a real tier")
     return "\n".join(lines)

@@ -109,6 +109,10 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    action="store_false", default=True,
                    help="Ablation: convert gradients to fp32 in memory before the update "
                         "(as ZeRO-3 does) instead of upcasting inside the Adam kernel.")
+    g.add_argument("--mlp-offload-no-warm-buffers", dest="mlp_offload_warm_buffers",
+                   action="store_false", default=True,
+                   help="Ablation: working buffers forget a subgroup once it is written back, so the "
+                        "next step reads it again (by default the last ones written back are reused).")
     g.add_argument("--mlp-offload-cpu", action="store_true", default=False,
                    help=f"Smoke runs without a GPU: map CUDA onto the CPU (gloo) before Megatron is "
                         f"imported. Same as {ENV_CPU}=1. Use with --transformer-impl local --mock-data "
@@ -206,6 +210,7 @@ def config_from_args(args) -> MLPOffloadConfig | None:
         use_tokens=args.mlp_offload_tier_tokens,
         cache_order=args.mlp_offload_cache_order,
         deferred_upcast=args.mlp_offload_deferred_upcast,
+        warm_buffers=args.mlp_offload_warm_buffers,
         extra={"job_id": _job_id(args.mlp_offload_job_id)},
     )
 

@@ -15,6 +15,12 @@ Fetches run ``prefetch_depth`` subgroups ahead and flushes complete lazily, so t
 tier overlaps the kernel; the compute thread always takes the earliest subgroup of the order that
 is ready, so a tier whose token is held by another rank delays only its own subgroups.
 
+Warm buffers (``warm_buffers``, with the alternating order): a working buffer whose write-back is
+done keeps its subgroup until a fetch needs the buffer. At the end of a step the buffers no fetch
+needed hold the last subgroups written back, which the next step, running the other way, takes
+first: it uses them as they are instead of reading them again. Such a copy is used only while it
+is provably the current state (same tier, same record generation as when it was written).
+
 Framework-agnostic: plain CPU torch tensors in, nothing Megatron-specific (see megatron/ for that).
 """
 from __future__ import annotations
@@ -33,7 +39,7 @@ import torch
 from megatron_mlp.errors import ConfigError, TierFailure, TierIOError
 from megatron_mlp.optim.failover import FailoverStats, take_out_of_service
 from megatron_mlp.optim.host_pool import HostBufferPool
-from megatron_mlp.optim.placement import assign_subgroups
+from megatron_mlp.optim.placement import assign_subgroups, warm_subgroups
 from megatron_mlp.optim.schedule import cache_slots, iteration_order, kept_in_cache
 from megatron_mlp.optim.stats import StepStats, TierStepStats
 from megatron_mlp.optim.store import TierStore
@@ -123,6 +129,11 @@ class OffloadAdam:
                                    self.cache_slots + self.working_buffers)
         # subgroup index -> host buffer whose content is newer than (or as new as) storage.
         self._resident: dict[int, object] = {}
+        # subgroup index -> (buffer, store, generation): a copy equal to the record written from it,
+        # in the order the write-backs completed (see the module doc, warm buffers).
+        self._warm: dict[int, tuple] = {}
+        self._warm_adopted: set[int] = set()
+        self.uses_warm_buffers = warm_subgroups(config) > 0
         self._upcast_buffer = None
         self._write_initial(initial_params)
 
@@ -192,6 +203,7 @@ class OffloadAdam:
         keep = kept_in_cache([i for i in order if i not in self._pinned],
                              max(0, self.cache_slots - len(self._pinned))) | self._pinned
         self._cache_keep = keep
+        self._adopt_warm()
         hyper = [self._hyper(g) for g in range(len(self.param_groups))]
         errors = self._run_pipeline(order, keep, grads, params_out, hyper, inv_loss_scale, clip_coef,
                                     on_subgroup_done, stats)
@@ -207,6 +219,7 @@ class OffloadAdam:
             if not store.failed and id(store) not in failing and store.vanished():
                 failing[id(store)] = (store, f"its scratch file {store.file_path} vanished")
         if failing:
+            self._drop_warm()   # failover moves subgroups and needs the buffers; a warm copy may be on the failed tier
             try:
                 take_out_of_service(self, list(failing.values()))
             except TierFailure as e:
@@ -319,6 +332,7 @@ class OffloadAdam:
         for t in self._retiring:
             t.join(self.config.io_timeout_s)
         self._finalizer()
+        self._drop_warm()
         self._resident.clear()
         self.pool.trim()          # give the host memory back now, not at garbage collection
         self._upcast_buffer = None
@@ -352,7 +366,7 @@ class OffloadAdam:
                 # the order of independent subgroups does not change the result.
                 while to_fetch and self._in_flight(fetching) < depth + self._stalled(fetching):
                     idx = self._next_fetch(to_fetch, keep)
-                    buf = pool.try_acquire()
+                    buf = self._try_buffer()
                     if buf is None:
                         break
                     to_fetch.remove(idx)
@@ -372,7 +386,7 @@ class OffloadAdam:
                         # Only retained (failed-flush) buffers hold the pool: go over budget rather than stall.
                         idx = to_fetch.pop(0)
                         store = self._store_of[self.tier_of[idx]]
-                        buf = pool.try_acquire(force=True)
+                        buf = self._try_buffer() or pool.try_acquire(force=True)
                         fetching[idx] = (store.fetch(plan[idx], buf), buf)
                     stats.wait_s += time.perf_counter() - t0
                     continue
@@ -381,8 +395,12 @@ class OffloadAdam:
                 store = self._store_of[self.tier_of[pick]]
                 if pick in resident:
                     buf = resident.pop(pick)
-                    stats.cache_hits += 1
-                    store.stats.add(cache_hits=1)
+                    if pick in self._warm_adopted:
+                        stats.warm_hits += 1
+                        store.stats.add(warm_hits=1)
+                    else:
+                        stats.cache_hits += 1
+                        store.stats.add(cache_hits=1)
                 else:
                     fut, buf = fetching.pop(pick)
                     try:
@@ -465,13 +483,64 @@ class OffloadAdam:
             sg, store, buf = flushing.pop(fut)
             exc = fut.exception()
             if exc is None:
-                self.pool.release(buf)
+                if self.uses_warm_buffers:
+                    self._warm[sg.index] = (buf, store, store.records[sg.index].generation)
+                else:
+                    self.pool.release(buf)
             else:
                 # The new state exists only in this buffer now: keep it (retried by the next step).
                 self._resident[sg.index] = buf
                 store.stats.add(flush_errors=1)
                 errors.append((sg, store, exc))
                 self.flush_errors.append(f"subgroup {sg.index} on {store.path}: {exc}")
+
+    # ------------------------------------------------------------------ warm buffers
+
+    def _try_buffer(self):
+        """A free pool buffer, taking one from the warm copies when the pool is at its limit.
+
+        During a step the warm copies are of subgroups already updated in it (the step adopted the
+        others when it started), so the oldest goes first: the next step, running the other way,
+        needs it last."""
+        buf = self.pool.try_acquire()
+        while buf is None and self._warm:
+            self.pool.release(self._warm.pop(next(iter(self._warm)))[0])
+            buf = self.pool.try_acquire()
+        return buf
+
+    def _warm_copy_is_current(self, index: int, store, generation: int) -> bool:
+        """Whether a warm copy still equals its subgroup's good copy: same tier in service, and no
+        write (a step's flush, write_range, failover) has switched the record since."""
+        rec = store.records.get(index)
+        return (not store.failed and self._store_of.get(self.tier_of[index]) is store
+                and rec is not None and rec.generation == generation and index not in self._resident)
+
+    def _adopt_warm(self) -> None:
+        """Start of a step: current warm copies become resident (no fetch); stale ones are freed."""
+        self._warm_adopted = set()
+        warm, self._warm = self._warm, {}
+        for index, (buf, store, generation) in warm.items():
+            if self._warm_copy_is_current(index, store, generation):
+                self._resident[index] = buf
+                self._warm_adopted.add(index)
+            else:
+                self.pool.release(buf)
+
+    def _take_warm(self, index: int):
+        """The warm copy of ``index`` if it is current (removed from the warm set), else None."""
+        entry = self._warm.pop(index, None)
+        if entry is None:
+            return None
+        if self._warm_copy_is_current(index, *entry[1:]):
+            return entry
+        self.pool.release(entry[0])
+        return None
+
+    def _drop_warm(self) -> None:
+        """Free every warm copy (before failover, close)."""
+        warm, self._warm = self._warm, {}
+        for buf, _, _ in warm.values():
+            self.pool.release(buf)
 
     def _update(self, sg: Subgroup, buf, grads, params_out, hyper, inv_loss_scale, clip_coef, stats):
         from megatron_mlp.optim.fused_adam import fused_adam_step
@@ -560,13 +629,20 @@ class _SubgroupAccess:
         self.opt, self.sg, self.load, self.write_back = opt, sg, load, write_back
         self.buf = None
         self.owned = False
+        self.warm = None     # (buffer, store, generation) when the warm copy served this access
 
     def __enter__(self):
         opt, sg = self.opt, self.sg
         if sg.index in opt._resident:
             self.buf = opt._resident[sg.index]
             return _views(sg, self.buf)
-        self.buf = opt.pool.try_acquire() or opt.pool.try_acquire(force=True)
+        self.warm = opt._take_warm(sg.index)
+        if self.warm is not None:
+            self.buf, self.owned = self.warm[0], True
+            if not self.load:
+                self.buf.torch(torch.uint8)[: sg.region_bytes].zero_()
+            return _views(sg, self.buf)
+        self.buf = opt._try_buffer() or opt.pool.try_acquire(force=True)
         self.owned = True
         try:
             store = opt._store_of[opt.tier_of[sg.index]]
@@ -592,6 +668,9 @@ class _SubgroupAccess:
                 raise TierIOError(getattr(e, "errno", 0) or 0,
                                   f"writing subgroup {sg.index} to tier {store.path} failed; the new state is "
                                   f"kept in host memory and the previous copy is intact", store.file_path) from e
+        if self.warm is not None and not self.write_back:
+            opt._warm[sg.index] = self.warm    # only read: still the current state, keep it warm
+            return False
         opt.pool.release(self.buf)
         return False
 

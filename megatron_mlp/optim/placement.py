@@ -47,14 +47,23 @@ def plan_for(plan: SubgroupPlan, config, ranks_per_node: int = 1):
     sizes = [sg.region_bytes for sg in plan]
     slots = cache_slots(config.host_cache_bytes, plan.max_region_bytes, cache_order=config.cache_order)
     budget = slots * plan.max_region_bytes
-    if slots and config.order == "alternate":
-        # Steady state of the alternating order: the cached ends skip a read or a write each step.
+    warm = warm_subgroups(config)
+    if (slots or warm) and config.order == "alternate" and config.cache_order:
+        # Steady state of the alternating order: the cached ends skip a read or a write each step,
+        # the warm buffers' subgroups next to them a read.
         return plan_placement(sizes, None, tiers, ranks_per_node=ranks_per_node, host_cache_bytes=budget,
-                              cache_model="alternate")
+                              cache_model="alternate", warm_subgroups=warm)
     # Ascending: the last `slots` subgroups stay in host memory for good and never move.
     cached = list(range(len(sizes) - slots, len(sizes))) if slots else []
     return plan_placement(sizes, None, tiers, ranks_per_node=ranks_per_node, host_cache_bytes=budget,
                           cached_subgroups=cached)
+
+
+def warm_subgroups(config) -> int:
+    """Subgroups the working buffers hold into the next step (``OffloadAdam``, warm buffers)."""
+    if not (config.warm_buffers and config.cache_order and config.order == "alternate"):
+        return 0
+    return config.prefetch_depth + config.flush_depth + 1
 
 
 def assign_subgroups(plan: SubgroupPlan, config, ranks_per_node: int = 1) -> list[int]:

@@ -19,6 +19,7 @@ class TierStepStats:
     fetches: int = 0
     flushes: int = 0
     cache_hits: int = 0
+    warm_hits: int = 0
     flush_errors: int = 0
     io_retries: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -36,7 +37,7 @@ class TierStepStats:
             "token_wait_s": self.token_wait_s, "checksum_s": self.checksum_s,
             "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
             "fetches": self.fetches, "flushes": self.flushes, "cache_hits": self.cache_hits,
-            "flush_errors": self.flush_errors, "io_retries": self.io_retries,
+            "warm_hits": self.warm_hits, "flush_errors": self.flush_errors, "io_retries": self.io_retries,
             # Achieved while the lane was transferring (excludes token waits and checksums).
             "read_gbps": read_gbps, "write_gbps": write_gbps,
         }
@@ -53,6 +54,7 @@ class StepStats:
     drain_s: float = 0.0         # waiting for the last flushes at the end of the step
     upcast_s: float = 0.0        # only with deferred_upcast=False (the ablation)
     cache_hits: int = 0
+    warm_hits: int = 0           # subgroups taken from a warm working buffer instead of a fetch
     subgroups: int = 0
     order: str = "ascending"
     skipped: bool = False
@@ -65,7 +67,7 @@ class StepStats:
         return {
             "step_s": self.step_s, "compute_s": self.compute_s, "wait_s": self.wait_s,
             "drain_s": self.drain_s, "upcast_s": self.upcast_s, "cache_hits": self.cache_hits,
-            "subgroups": self.subgroups, "order": self.order, "skipped": self.skipped,
+            "warm_hits": self.warm_hits, "subgroups": self.subgroups, "order": self.order, "skipped": self.skipped,
             "bytes_moved": moved, "gbps": moved / self.step_s / 1e9 if self.step_s > 0 else 0.0,
             "peak_host_bytes": self.peak_host_bytes, "host_limit_bytes": self.host_limit_bytes,
             "tiers": tiers,

@@ -14,8 +14,10 @@ Pure Python, no I/O. The model, per tier ``j`` and per optimizer step:
   many as fit the budget). ``alternate``: the steady state of the alternating ascending/descending
   order -- each iteration the subgroups the cache holds at its start are updated first without a
   read and written out later, and the ones updated last stay cached without a write; head and tail
-  swap roles every iteration, so a tier's time is that of its slower iteration. Either way cached
-  subgroups keep a home on a tier (they are flushed on eviction), so they count against capacity.
+  swap roles every iteration, so a tier's time is that of its slower iteration. With ``warm_subgroups``
+  (the optimizer's working buffers keep the last subgroups written back), the next ones after the
+  cached end are also updated without a read, but still written. Either way cached subgroups keep a
+  home on a tier (they are flushed on eviction), so they count against capacity.
 * The update's I/O time is the slowest tier's time; all tiers should finish together.
 
 Assignment: greedy longest-processing-time first (largest movers first, each onto the tier whose
@@ -104,6 +106,7 @@ class Placement:
     cached_bytes: int = 0
     notes: tuple[str, ...] = field(default=())
     cache_model: str = "resident"
+    warm_subgroups: int = 0
 
     @property
     def num_subgroups(self) -> int:
@@ -143,6 +146,7 @@ class Placement:
             "host_cache_bytes": self.host_cache_bytes,
             "cached_bytes": self.cached_bytes,
             "cache_model": self.cache_model,
+            "warm_subgroups": self.warm_subgroups,
             "ranks_per_node": self.ranks_per_node,
             "predicted_seconds": self.total_seconds,
             "lower_bound_seconds": self.lower_bound_seconds,
@@ -175,6 +179,9 @@ class Placement:
             lines.append(f"host cache: {human_bytes(self.cached_bytes)} of a {human_bytes(self.host_cache_bytes)} "
                          f"budget per rank; alternating order: {len(self.cached_subgroups())} subgroups at the ends "
                          "skip a read or a write every iteration")
+            if self.warm_subgroups:
+                lines.append(f"warm buffers: the next {self.warm_subgroups} subgroups after the cached end are "
+                             "updated without a read (the working buffers still hold them), then written")
         else:
             lines.append(f"host cache: {len(self.cached_subgroups())} subgroups, {human_bytes(self.cached_bytes)} "
                          f"of a {human_bytes(self.host_cache_bytes)} budget per rank (move no bytes)")
@@ -290,24 +297,29 @@ def _lower_bound(model: _Model, moves: list[tuple[int, int]], sizes: list[int]) 
 CACHE_MODELS = ("resident", "alternate")
 
 
-def _cache_sets(sizes, moves, host_cache_bytes, cached_subgroups, cache_model):
+def _cache_sets(sizes, moves, host_cache_bytes, cached_subgroups, cache_model, warm_subgroups=0):
     """Per-iteration moves (one list per iteration parity) and the subgroups the cache serves."""
     n = len(sizes)
     if cache_model not in CACHE_MODELS:
         raise ConfigError(f"cache_model={cache_model!r} is not one of {', '.join(CACHE_MODELS)}")
+    if warm_subgroups < 0 or (warm_subgroups and cache_model != "alternate"):
+        raise ConfigError(f"warm_subgroups={warm_subgroups} needs cache_model='alternate' and must be >= 0")
     if cache_model == "alternate":
         if cached_subgroups is not None:
             raise ConfigError("cached_subgroups is for cache_model='resident'; 'alternate' derives both sets "
                               "from the budget")
         tail = set(default_cached_subgroups(sizes, host_cache_bytes))
         head = set(n - 1 - i for i in default_cached_subgroups(sizes[::-1], host_cache_bytes))
+        # The working buffers hold the subgroups written back last: next to the kept end.
+        warm_tail = set([i for i in range(n) if i not in tail][-warm_subgroups:]) if warm_subgroups else set()
+        warm_head = set([i for i in range(n) if i not in head][:warm_subgroups]) if warm_subgroups else set()
         # Iteration after an ascending pass (cache holds the tail): the tail is updated first without
         # a read and written out later; the head is read, updated last and stays (no write). The next
-        # iteration swaps the roles.
+        # iteration swaps the roles. Warm subgroups skip the read only.
         def parity(hits, kept):
             return [(0 if i in hits else r, 0 if i in kept else w) for i, (r, w) in enumerate(moves)]
         used = max(sum(sizes[i] for i in tail), sum(sizes[i] for i in head))
-        return [parity(tail, head), parity(head, tail)], tail | head, used
+        return [parity(tail | warm_tail, head), parity(head | warm_head, tail)], tail | head, used
     if cached_subgroups is None:
         cached = set(default_cached_subgroups(sizes, host_cache_bytes))
     else:
@@ -370,7 +382,8 @@ def plan_placement(subgroup_bytes: Sequence[int],
                    host_cache_bytes: int = 0,
                    cached_subgroups: Iterable[int] | None = None,
                    improve: bool = True,
-                   cache_model: str = "resident") -> Placement:
+                   cache_model: str = "resident",
+                   warm_subgroups: int = 0) -> Placement:
     """Assign each subgroup to a tier so that all tiers finish their per-step I/O together.
 
     Args:
@@ -389,6 +402,8 @@ def plan_placement(subgroup_bytes: Sequence[int],
             updated first without a read (and written out later), the ones updated last stay cached
             without a write; the two sets (tail and head) swap roles every iteration, and a tier's
             time is that of its slower iteration.
+        warm_subgroups: ('alternate' only) how many subgroups written back last the optimizer's
+            working buffers still hold at the next iteration: they are updated without a read.
 
     Returns:
         A :class:`Placement`.
@@ -410,7 +425,8 @@ def plan_placement(subgroup_bytes: Sequence[int],
         raise ConfigError(f"--mlp-offload-host-cache: {host_cache_bytes} must be >= 0")
     moves = _as_pairs(moved_bytes, sizes)
     n = len(sizes)
-    pmoves, cached, cached_bytes = _cache_sets(sizes, moves, host_cache_bytes, cached_subgroups, cache_model)
+    pmoves, cached, cached_bytes = _cache_sets(sizes, moves, host_cache_bytes, cached_subgroups, cache_model,
+                                               warm_subgroups)
     model = _Model(tiers, ranks_per_node)
     _check_total_capacity(tiers, model, sizes)
 
@@ -461,7 +477,7 @@ def plan_placement(subgroup_bytes: Sequence[int],
         tier_seconds=tuple(st.times), total_seconds=max(st.times),
         lower_bound_seconds=min(lower, max(st.times)), ranks_per_node=ranks_per_node,
         host_cache_bytes=host_cache_bytes, cached_bytes=cached_bytes, notes=tuple(notes),
-        cache_model=cache_model)
+        cache_model=cache_model, warm_subgroups=warm_subgroups)
 
 
 def _check_total_capacity(tiers, model: _Model, sizes: list[int]) -> None:

@@ -26,6 +26,7 @@ FROZEN = {
     "--mlp-offload-no-tier-tokens": "off",
     "--mlp-offload-no-cache-order": "off",
     "--mlp-offload-no-deferred-upcast": "off",
+    "--mlp-offload-no-warm-buffers": "off",
     "--mlp-offload-cpu": "off",
 }
 

@@ -187,7 +187,7 @@ def test_host_memory_never_exceeds_cache_plus_working_set_when_measured(tier_dir
 
 def test_alternating_order_yields_cache_hits_when_the_cache_holds_subgroups(tier_dirs):
     sub = 1024
-    opt, _ = make(tier_dirs, 1, subgroup_params=sub, host_cache_bytes=3 * 3 * 4 * sub)
+    opt, _ = make(tier_dirs, 1, subgroup_params=sub, host_cache_bytes=3 * 3 * 4 * sub, warm_buffers=False)
     with opt:
         orders, hits, reads = [], [], []
         for step in range(4):
@@ -200,6 +200,92 @@ def test_alternating_order_yields_cache_hits_when_the_cache_holds_subgroups(tier
         n = len(opt.plan)
         assert hits == [0, 3, 3, 3]
         assert reads == [n, n - 3, n - 3, n - 3]
+
+
+def test_warm_buffers_let_the_next_step_start_without_reading_the_last_subgroups_written_back(tier_dirs):
+    sub = 1024
+    buf = 3 * 4 * sub
+    cache = 3 * buf
+    opt, ref = make(tier_dirs, 2, subgroup_params=sub, host_cache_bytes=cache)
+    with opt:
+        n = len(opt.plan)
+        budget = cache + (opt.config.prefetch_depth + opt.config.flush_depth + 1) * buf
+        for step in range(6):
+            g = grads_for(step, torch.bfloat16)
+            opt.step(g)
+            ref.step(g)
+            s = opt.last_step_stats
+            reads = sum(t["fetches"] for t in s["tiers"])
+            writes = sum(t["flushes"] for t in s["tiers"])
+            assert reads + s["cache_hits"] + s["warm_hits"] == n, s
+            assert writes == n - 3, "every subgroup not kept in the cache is still written back"
+            if step:
+                assert s["cache_hits"] == 3
+                assert s["warm_hits"] > 0, "the next step read again what the working buffers held"
+                assert s["warm_hits"] == sum(t["warm_hits"] for t in s["tiers"])
+            assert opt.pool.peak_bytes <= budget, "warm copies must live in the pool's own buffers"
+        assert_state_equal(opt, ref)
+
+
+def test_warm_buffers_are_off_without_the_alternating_order(tier_dirs):
+    sub = 1024
+    for overrides in ({"order": "ascending"}, {"cache_order": False}, {"warm_buffers": False}):
+        opt, _ = make(tier_dirs, 1, subgroup_params=sub, host_cache_bytes=3 * 3 * 4 * sub, **overrides)
+        with opt:
+            for step in range(3):
+                opt.step(grads_for(step, torch.bfloat16))
+                assert opt.last_step_stats["warm_hits"] == 0, overrides
+            assert not opt._warm, overrides
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole-subgroups", "partial-subgroups"])
+def test_state_written_between_steps_is_used_instead_of_a_stale_warm_copy(tier_dirs, whole):
+    """write_range (as load_state_dict does) between steps: the next step must see the new values,
+    not a warm buffer holding the state from before."""
+    sub = 1024
+    warm, _ = make(tier_dirs, 2, subgroup_params=sub, host_cache_bytes=2 * 3 * 4 * sub)
+    cold, _ = make(tier_dirs[1:], 2, subgroup_params=sub, host_cache_bytes=2 * 3 * 4 * sub, warm_buffers=False)
+    with warm, cold:
+        for step in range(2):
+            for opt in (warm, cold):
+                opt.step(grads_for(step, torch.bfloat16))
+        assert warm._warm, "the test needs warm copies to exist when the state is overwritten"
+        warm_range = sorted(warm._warm)
+        lo = warm.plan[warm_range[0]].start + (0 if whole else 7)
+        hi = warm.plan[warm_range[-1]].end - (0 if whole else 5)
+        gen = torch.Generator().manual_seed(7)
+        new = {k: torch.rand(hi - lo, generator=gen) for k in STATES}
+        for opt in (warm, cold):
+            opt.write_range(lo, hi, new["param"], new["exp_avg"], new["exp_avg_sq"])
+        got = warm.read_range(lo, hi)
+        for k in STATES:
+            assert torch.equal(got[k], new[k]), f"read_range after write_range returned stale {k}"
+        for step in range(2, 5):
+            for opt in (warm, cold):
+                opt.step(grads_for(step, torch.bfloat16))
+        a, b = warm.read_range(0, warm.numel), cold.read_range(0, cold.numel)
+        for k in STATES:
+            assert torch.equal(a[k], b[k]), f"{k} differs from the run without warm buffers"
+
+
+def test_reading_the_state_between_steps_gives_up_at_most_one_warm_copy(tier_dirs):
+    """A checkpoint (state_dict / read_range) between steps reads the other subgroups through one
+    buffer, within the budget: it takes the warm copy the next step needs last, and no other."""
+    sub = 1024
+    opt, ref = make(tier_dirs, 1, subgroup_params=sub, host_cache_bytes=2 * 3 * 4 * sub)
+    with opt:
+        opt.step(grads_for(0, torch.bfloat16))
+        ref.step(grads_for(0, torch.bfloat16))
+        warm_before = set(opt._warm)
+        assert warm_before
+        assert_state_equal(opt, ref)
+        kept = set(opt._warm)
+        assert kept <= warm_before and len(kept) >= len(warm_before) - 1, (warm_before, kept)
+        opt.step(grads_for(1, torch.bfloat16))
+        ref.step(grads_for(1, torch.bfloat16))
+        assert opt.last_step_stats["warm_hits"] == len(kept)
+        assert opt.pool.peak_bytes <= opt.host_budget_bytes
+        assert_state_equal(opt, ref)
 
 
 def test_no_cache_hits_when_cache_ordering_is_off(tier_dirs):

@@ -213,6 +213,30 @@ def test_alternate_cache_balances_both_iterations_when_tiers_have_separate_limit
     assert p.total_seconds <= p.lower_bound_seconds + 1.0  # within one subgroup's time of the fluid bound
 
 
+def test_warm_subgroups_next_to_the_cached_end_skip_their_read_but_not_their_write():
+    p = plan_placement([GB] * 10, None, [tier("/d", 1, shared=True)], 1, host_cache_bytes=3 * GB,
+                       cache_model="alternate", warm_subgroups=4)
+    # After an ascending pass: tail {7,8,9} cached, {3,4,5,6} warm -> reads only 0,1,2; writes 3..9.
+    assert p.tier_read_bytes == (3 * GB,) and p.tier_write_bytes == (7 * GB,)
+    assert p.total_seconds == pytest.approx(10.0)
+    assert p.warm_subgroups == 4 and p.to_dict()["warm_subgroups"] == 4
+    assert "warm buffers" in p.format_table()
+
+
+def test_warm_subgroups_lower_the_predicted_time_when_reads_are_the_slow_part():
+    tiers = [tier("/disk", 1, 4, shared=True), tier("/pfs", 1, 1)]
+    cold = plan_placement([GB] * 12, None, tiers, 1, host_cache_bytes=GB, cache_model="alternate")
+    warm = plan_placement([GB] * 12, None, tiers, 1, host_cache_bytes=GB, cache_model="alternate",
+                          warm_subgroups=5)
+    assert warm.total_seconds < cold.total_seconds
+    assert warm.lower_bound_seconds <= warm.total_seconds + 1e-9
+
+
+def test_warm_subgroups_need_the_alternating_cache_model():
+    with pytest.raises(ConfigError, match="warm_subgroups"):
+        plan_placement([GB] * 4, None, [tier("/d", 1)], 1, host_cache_bytes=GB, warm_subgroups=2)
+
+
 def test_explicit_cache_set_rejected_when_cache_model_is_alternate():
     with pytest.raises(ConfigError, match="alternate"):
         plan_placement([GB] * 4, None, [tier("/d", 1)], 1, host_cache_bytes=GB, cached_subgroups=[3],

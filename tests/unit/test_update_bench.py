@@ -19,15 +19,16 @@ def run_json(capsys, *argv) -> dict:
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_bench_update_reports_baseline_mlp_ablation_and_bounds_when_run_tiny(capsys, disk_dir, shm_dir, ranks):
-    s = run_json(capsys, "--paths", f"{disk_dir};{shm_dir}:qos=1GB/s", "--num-params", "600000",
-                 "--subgroup-params", "100000", "--host-cache-bytes", "1300000", "--calib-bytes", "8MB",
+    # 12 subgroups per rank: the host (2 cached, 5 warm) cannot hold them all, so every step reads.
+    s = run_json(capsys, "--paths", f"{disk_dir};{shm_dir}:qos=1GB/s", "--num-params", str(600000 * ranks),
+                 "--subgroup-params", "50000", "--host-cache-bytes", "1300000", "--calib-bytes", "8MB",
                  "--steps", "3", "--ranks", str(ranks))
     for key in ("baseline_s", "mlp_s", "speedup", "lower_bound_s", "predicted_s", "baseline_backward_grad_write_s",
                 "policy_floor_s", "speedup_ceiling"):
         assert s[key] > 0, key
     assert s["speedup_ceiling"] == pytest.approx(s["baseline_s"] / s["policy_floor_s"])
     names = [a["name"] for a in s["ablation"]]
-    assert names[0].startswith("ZeRO-3") and names[-1].endswith("(= MLP-Offload)") and len(names) == 6
+    assert names[0].startswith("ZeRO-3") and names[-1].endswith("(= MLP-Offload)") and len(names) == 7
     assert s["ablation"][-1]["seconds"] == s["mlp_s"]
     assert s["mlp_no_checksum_s"] > 0 and s["checksum_cost_s"] is not None
     assert [t["label"] for t in s["tiers"]] == ["real", "emulated"]
@@ -36,8 +37,13 @@ def test_bench_update_reports_baseline_mlp_ablation_and_bounds_when_run_tiny(cap
     # (no gradients, the cache) and uses both paths.
     mlp_moved = sum(t["mlp_bytes_read_per_step"] + t["mlp_bytes_written_per_step"] for t in s["tiers"])
     assert mlp_moved < s["baseline_bytes_read_per_step"] + s["baseline_bytes_written_per_step"]
-    assert all(t["mlp_bytes_read_per_step"] > 0 for t in s["tiers"])
+    assert all(t["mlp_bytes_written_per_step"] > 0 for t in s["tiers"])
+    assert 0 < sum(t["mlp_bytes_read_per_step"] for t in s["tiers"]) < sum(
+        t["mlp_bytes_written_per_step"] for t in s["tiers"]), "the warm buffers spare reads, never writes"
     assert sum(t["mlp_cache_hits"] for t in s["tiers"]) > 0
+    assert sum(t["mlp_warm_hits"] for t in s["tiers"]) > 0
+    assert s["mlp_warm_bytes"] > 0 and s["baseline_host_bytes"] > 0
+    assert s["mlp_host_bytes"] == s["mlp_host_limit_bytes"] * ranks
     assert s["config"]["ranks"] == ranks
     leftovers = [n for d in (disk_dir, shm_dir) for n in os.listdir(d)]
     assert leftovers == [], f"bench left files behind: {leftovers}"
@@ -62,6 +68,20 @@ def test_policy_floor_splits_the_uncached_bytes_so_every_tier_finishes_together(
     assert update.policy_floor(10, 4, [disk, duplex]) == pytest.approx(6 / (1 / 1.5 + 1))
     assert update.policy_floor(10, 4, [disk]) == pytest.approx(6 * 1.5)
     assert update.policy_floor(10, 12, [disk]) == 0.0   # all of it in the host cache
+
+
+def test_policy_floor_with_warm_buffers_reads_less_and_stays_below_any_split():
+    disk = {"read_bytes_per_s": 1.0, "write_bytes_per_s": 2.0, "concurrent_bytes_per_s": 1.0}
+    duplex = {"read_bytes_per_s": 1.0, "write_bytes_per_s": 1.0, "concurrent_bytes_per_s": 2.0}
+    # One tier: 6 bytes written, 2 read (4 warm): 2/1 + 6/2.
+    assert update.policy_floor(10, 4, [disk], warm_bytes=4) == pytest.approx(2 + 3, rel=0.01)
+    floor = update.policy_floor(10, 4, [disk, duplex], warm_bytes=4)
+    assert floor < update.policy_floor(10, 4, [disk, duplex])
+    # No split of 2 bytes read and 6 written over the two tiers beats it (a fine grid of splits).
+    best = min(max(update.io_time_bound(r, w, disk), update.io_time_bound(2 - r, 6 - w, duplex))
+               for r in [i / 50 for i in range(101)] for w in [i / 50 for i in range(301)])
+    assert floor <= best * 1.0001
+    assert floor >= best * 0.97, "the floor should be tight, not just low"
 
 
 def test_zero3_baseline_computes_the_same_adamw_as_torch(disk_dir):
