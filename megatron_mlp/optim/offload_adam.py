@@ -133,6 +133,7 @@ class OffloadAdam:
         # in the order the write-backs completed (see the module doc, warm buffers).
         self._warm: dict[int, tuple] = {}
         self._warm_adopted: set[int] = set()
+        self._order_pos: dict[int, int] = {}   # subgroup -> position in the last step's order
         self.uses_warm_buffers = warm_subgroups(config) > 0
         self._upcast_buffer = None
         self._write_initial(initial_params)
@@ -203,6 +204,7 @@ class OffloadAdam:
         keep = kept_in_cache([i for i in order if i not in self._pinned],
                              max(0, self.cache_slots - len(self._pinned))) | self._pinned
         self._cache_keep = keep
+        self._order_pos = {idx: pos for pos, idx in enumerate(order)}
         self._adopt_warm()
         hyper = [self._hyper(g) for g in range(len(self.param_groups))]
         errors = self._run_pipeline(order, keep, grads, params_out, hyper, inv_loss_scale, clip_coef,
@@ -500,11 +502,13 @@ class OffloadAdam:
         """A free pool buffer, taking one from the warm copies when the pool is at its limit.
 
         During a step the warm copies are of subgroups already updated in it (the step adopted the
-        others when it started), so the oldest goes first: the next step, running the other way,
-        needs it last."""
+        others when it started). The one updated earliest goes first: the next step, running the
+        other way, needs it last. (Not the one written back first: a slow tier's write-back ends
+        late, and keeping its subgroup would hold a buffer in the middle of the next step.)"""
         buf = self.pool.try_acquire()
         while buf is None and self._warm:
-            self.pool.release(self._warm.pop(next(iter(self._warm)))[0])
+            victim = min(self._warm, key=lambda i: self._order_pos.get(i, -1))
+            self.pool.release(self._warm.pop(victim)[0])
             buf = self.pool.try_acquire()
         return buf
 

@@ -227,6 +227,30 @@ def test_warm_buffers_let_the_next_step_start_without_reading_the_last_subgroups
         assert_state_equal(opt, ref)
 
 
+def test_a_warm_copy_is_given_up_by_update_order_not_by_when_its_write_back_ended(tier_dirs):
+    """Write-backs on a slow tier end late, so the warm copies are not in update order. When the
+    pool needs a buffer it must give up the subgroup updated earliest (the next step, running the
+    other way, needs it last), not the one whose write-back happened to end first."""
+    sub = 1024
+    opt, ref = make(tier_dirs, 1, subgroup_params=sub, host_cache_bytes=0)
+    with opt:
+        g = grads_for(0, torch.bfloat16)
+        opt.step(g)
+        ref.step(g)
+        assert opt.last_step_stats["order"] == "ascending" and len(opt._warm) >= 3
+        warm = sorted(opt._warm)
+        # As if the write-back of the latest-updated one had ended first.
+        opt._warm = {i: opt._warm[i] for i in sorted(warm, reverse=True)}
+        cold = min(set(range(len(opt.plan))) - set(warm))
+        opt.read_range(opt.plan[cold].start, opt.plan[cold].end)   # needs one buffer: one warm copy goes
+        assert sorted(opt._warm) == warm[1:], f"gave up {sorted(set(warm) - set(opt._warm))}, not {warm[0]}"
+        g = grads_for(1, torch.bfloat16)
+        opt.step(g)
+        ref.step(g)
+        assert opt.last_step_stats["warm_hits"] == len(warm) - 1
+        assert_state_equal(opt, ref)
+
+
 def test_warm_buffers_are_off_without_the_alternating_order(tier_dirs):
     sub = 1024
     for overrides in ({"order": "ascending"}, {"cache_order": False}, {"warm_buffers": False}):
