@@ -217,7 +217,7 @@ def _fluid_split_time(reads: float, writes: float, bandwidth: list[dict], grid: 
             best = table.max(axis=1)
         return best[grid] >= writes
 
-    lo, hi = 0.0, sum(io_time_bound(reads, writes, bw) for bw in bandwidth[:1]) or 1.0
+    lo, hi = 0.0, io_time_bound(reads, writes, bandwidth[0]) or 1.0   # the first tier alone does it all
     while not feasible(hi):
         hi *= 2
     for _ in range(50):
@@ -376,10 +376,11 @@ def summarize(args, tiers, bandwidth, results) -> dict:
     lower_bound_s = max(row["lower_bound_s"] for row in tier_rows)
     numel = args.num_params // args.ranks
     plan = SubgroupPlan([(0, numel)], args.subgroup_params)
-    placement = plan_for(plan, _config(args, tiers), args.ranks)
+    config = _config(args, tiers)
+    placement = plan_for(plan, config, args.ranks)
     # Bytes of state over all ranks (fp32 params, exp_avg, exp_avg_sq) and of their host caches.
     # The warm buffers of MLP-Offload's configuration: whole subgroups the working set holds over.
-    warm_bytes = warm_subgroups(_config(args, tiers)) * plan.max_region_bytes * args.ranks
+    warm_bytes = warm_subgroups(config) * plan.max_region_bytes * args.ranks
     floor_s = policy_floor(12.0 * args.num_params, float(args.host_cache) * args.ranks, bandwidth, warm_bytes)
     base_last = results[0]["baseline"]["last"]
     mlp_last = last_stats[0][-1]

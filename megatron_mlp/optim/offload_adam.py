@@ -129,8 +129,8 @@ class OffloadAdam:
                                    self.cache_slots + self.working_buffers)
         # subgroup index -> host buffer whose content is newer than (or as new as) storage.
         self._resident: dict[int, object] = {}
-        # subgroup index -> (buffer, store, generation): a copy equal to the record written from it,
-        # in the order the write-backs completed (see the module doc, warm buffers).
+        # subgroup index -> (buffer, store, generation): a copy equal to the record written from it
+        # (see the module doc, warm buffers).
         self._warm: dict[int, tuple] = {}
         self._warm_adopted: set[int] = set()
         self._order_pos: dict[int, int] = {}   # subgroup -> position in the last step's order
@@ -641,19 +641,13 @@ class _SubgroupAccess:
             self.buf = opt._resident[sg.index]
             return _views(sg, self.buf)
         self.warm = opt._take_warm(sg.index)
-        if self.warm is not None:
-            self.buf, self.owned = self.warm[0], True
-            if not self.load:
-                self.buf.torch(torch.uint8)[: sg.region_bytes].zero_()
-            return _views(sg, self.buf)
-        self.buf = opt._try_buffer() or opt.pool.try_acquire(force=True)
+        self.buf = self.warm[0] if self.warm is not None else (opt._try_buffer() or opt.pool.try_acquire(force=True))
         self.owned = True
         try:
-            store = opt._store_of[opt.tier_of[sg.index]]
-            if self.load:
-                store.read_now(sg, self.buf)
-            else:
+            if not self.load:
                 self.buf.torch(torch.uint8)[: sg.region_bytes].zero_()
+            elif self.warm is None:   # a warm copy already holds the current state
+                opt._store_of[opt.tier_of[sg.index]].read_now(sg, self.buf)
         except BaseException:
             opt.pool.release(self.buf)
             raise
