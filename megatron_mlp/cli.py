@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "update": ("megatron_mlp.bench.update", "update phase: MLP-Offload vs ZeRO-3-style baseline, with ablation"),
     "contention": ("megatron_mlp.bench.contention", "processes sharing one tier, with and without tier tokens"),
     "faults": ("megatron_mlp.bench.faults", "fault-injection campaign: injected / detected / recovered / lost"),
+    "interference": ("megatron_mlp.bench.interference", "a tier's bandwidth while a core computes or copies memory"),
 }
 
 

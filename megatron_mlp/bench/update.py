@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-bytes", default="1GB", help="bytes per tier for the bandwidth measurement")
     p.add_argument("--backend", default="auto", choices=("auto", "io_uring", "threads"))
     p.add_argument("--no-ablation", action="store_true", help="only the baseline and MLP-Offload")
+    p.add_argument("--no-interference", action="store_true",
+                   help="skip measuring each real tier alongside the Adam kernel (bench interference)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p
 
@@ -153,6 +155,16 @@ def measure_tier(spec: TierSpec, nbytes: int, backend: str, block_bytes: int, qu
             "qos_bytes_per_s": spec.qos_bytes_per_s, "read_bytes_per_s": read_bps,
             "write_bytes_per_s": write_bps, "concurrent_bytes_per_s": mixed_bps,
             "shared_rw_limit": shared, "measured_bytes": nbytes}
+
+
+def alongside_adam(path: str, nbytes: int, backend: str) -> dict:
+    """The tier's write and read bandwidth while the fused Adam kernel runs on one core, against
+    idle passes of the same measurement: the step runs that kernel while its tiers move the state,
+    and the I/O bound (idle cores) cannot see what it costs on a host where they compete."""
+    from megatron_mlp.bench.interference import measure_interference
+
+    r = measure_interference(path, nbytes, ("adam",), repeats=1, backend=backend)["adam"]
+    return {k: r[k] for k in ("write_bytes_per_s", "read_bytes_per_s", "write_vs_idle", "read_vs_idle")}
 
 
 def io_time_bound(read_bytes: float, write_bytes: float, bw: dict) -> float:
@@ -434,6 +446,11 @@ def _text(summary) -> str:
                      f"({'shared' if t['shared_rw_limit'] else 'separate'} limit); MLP moved "
                      f"{t['mlp_bytes_read_per_step'] / gb:.2f} GB read + {t['mlp_bytes_written_per_step'] / gb:.2f} GB "
                      f"written per step -> bound {t['lower_bound_s']:.2f} s")
+        if t.get("alongside_adam"):
+            a = t["alongside_adam"]
+            lines.append(f"    alongside the Adam kernel on one core it reads at {a['read_vs_idle']:.2f}x and writes "
+                         f"at {a['write_vs_idle']:.2f}x its idle rate (bench interference); the bound assumes idle "
+                         f"cores")
     lines.append(f"ZeRO-3-style baseline: update {summary['baseline_s']:.2f} s "
                  f"(+ {summary['baseline_backward_grad_write_s']:.2f} s writing fp32 grads in backward)")
     for a in summary["ablation"]:
@@ -474,6 +491,10 @@ def main(argv: list[str] | None = None) -> int:
     args.runtime_dir = runtime.name
     try:
         bandwidth = [measure_tier(spec, calib, args.backend, 1 << 20, 8) for spec in tiers]
+        if not args.no_interference:
+            for spec, bw in zip(tiers, bandwidth):
+                if spec.qos_bytes_per_s is None:   # an emulated tier runs at its cap whatever the cores do
+                    bw["alongside_adam"] = alongside_adam(spec.path, calib, args.backend)
         # MLP-Offload's placement gets the bandwidths measured just now (as calibration would).
         measured = tuple(TierSpec(path=s.path, read_bytes_per_s=bw["read_bytes_per_s"],
                                   write_bytes_per_s=bw["write_bytes_per_s"], capacity_bytes=s.capacity_bytes,

@@ -20,9 +20,11 @@ def run_json(capsys, *argv) -> dict:
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_bench_update_reports_baseline_mlp_ablation_and_bounds_when_run_tiny(capsys, disk_dir, shm_dir, ranks):
     # 12 subgroups per rank: the host (2 cached, 5 warm) cannot hold them all, so every step reads.
+    # The two-rank run also shows that --no-interference skips the measurement alongside the kernel.
+    skip_interference = ["--no-interference"] if ranks == 2 else []
     s = run_json(capsys, "--paths", f"{disk_dir};{shm_dir}:qos=1GB/s", "--num-params", str(600000 * ranks),
                  "--subgroup-params", "50000", "--host-cache-bytes", "1300000", "--calib-bytes", "8MB",
-                 "--steps", "3", "--ranks", str(ranks))
+                 "--steps", "3", "--ranks", str(ranks), *skip_interference)
     for key in ("baseline_s", "mlp_s", "speedup", "lower_bound_s", "predicted_s", "baseline_backward_grad_write_s",
                 "policy_floor_s", "speedup_ceiling"):
         assert s[key] > 0, key
@@ -33,6 +35,13 @@ def test_bench_update_reports_baseline_mlp_ablation_and_bounds_when_run_tiny(cap
     assert s["mlp_no_checksum_s"] > 0 and s["checksum_cost_s"] is not None
     assert [t["label"] for t in s["tiers"]] == ["real", "emulated"]
     assert s["emulated_paths"] == [shm_dir]
+    assert "alongside_adam" not in s["tiers"][1], "an emulated tier runs at its cap: nothing to measure"
+    if skip_interference:
+        assert "alongside_adam" not in s["tiers"][0]
+    else:
+        alongside = s["tiers"][0]["alongside_adam"]
+        assert alongside["write_bytes_per_s"] > 0 and alongside["read_bytes_per_s"] > 0
+        assert alongside["write_vs_idle"] > 0 and alongside["read_vs_idle"] > 0
     # What must hold whatever the timing: MLP-Offload moves fewer bytes than the baseline
     # (no gradients, the cache) and uses both paths.
     mlp_moved = sum(t["mlp_bytes_read_per_step"] + t["mlp_bytes_written_per_step"] for t in s["tiers"])
