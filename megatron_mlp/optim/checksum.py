@@ -1,8 +1,10 @@
 """CRC-32C of host buffers, used to verify every subgroup read back from a storage tier.
 
 Castagnoli polynomial (as iSCSI, ext4, RocksDB): ``crc32c(b"123456789") == 0xE3069283``.
-The C++ core uses the SSE4.2 ``crc32`` instruction over three interleaved streams where the CPU
-has it, else a slicing-by-8 table; both give the same value. The GIL is released while it runs.
+The C++ core folds with AVX-512 carry-less multiplies (VPCLMULQDQ) where the CPU has them (twice
+the speed of the next option here), else uses the SSE4.2 ``crc32`` instruction over three
+interleaved streams, else a slicing-by-8 table; all give the same value. The GIL is released
+while it runs.
 """
 from __future__ import annotations
 
@@ -14,8 +16,12 @@ __all__ = ["crc32c", "crc32c_combine", "crc32c_impl"]
 
 
 def crc32c_impl() -> str:
-    """The implementation ``crc32c`` uses on this CPU: "sse42" or "software"."""
-    return "sse42" if _C.crc32c_isa_supported("sse42") else "software"
+    """The implementation ``crc32c`` uses on this CPU for long buffers: "vpclmul", "sse42" or
+    "software" (below 256 bytes "vpclmul" hands over to "sse42")."""
+    for name in ("vpclmul", "sse42"):
+        if _C.crc32c_isa_supported(name):
+            return name
+    return "software"
 
 
 def _address_and_size(buffer) -> tuple[int, int, object]:
@@ -46,7 +52,7 @@ def crc32c(buffer, seed: int = 0, *, impl: str = "auto") -> int:
         buffer: a CPU torch.Tensor or any object with the buffer protocol, contiguous.
         seed: the CRC of the bytes before this buffer (0 to start), so that
             ``crc32c(b, seed=crc32c(a)) == crc32c(a + b)``.
-        impl: "auto", "sse42" or "software" (tests compare the two).
+        impl: "auto", "vpclmul", "sse42" or "software" (tests compare them).
 
     Returns:
         The checksum as an unsigned 32-bit int.

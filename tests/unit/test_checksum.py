@@ -8,13 +8,13 @@ import torch
 from megatron_mlp import _C
 from megatron_mlp.optim.checksum import crc32c, crc32c_combine, crc32c_impl
 
-IMPLS = ["software", "sse42", "auto"]
+IMPLS = ["software", "sse42", "vpclmul", "auto"]
 
 
 @pytest.fixture(params=IMPLS)
 def impl(request):
-    if request.param == "sse42" and not _C.crc32c_isa_supported("sse42"):
-        pytest.skip("this CPU has no SSE4.2 crc32 instruction")
+    if request.param in ("sse42", "vpclmul") and not _C.crc32c_isa_supported(request.param):
+        pytest.skip(f"this CPU cannot run the {request.param} crc32c")
     return request.param
 
 
@@ -38,6 +38,29 @@ def test_hardware_and_software_agree_when_lengths_cross_interleave_blocks(n, off
         pytest.skip("this CPU has no SSE4.2 crc32 instruction")
     data = np.random.default_rng(n).integers(0, 256, n + offset, dtype=np.uint8)[offset:]
     assert crc32c(data, impl="sse42") == crc32c(data, impl="software")
+
+
+@pytest.mark.parametrize("n", [*range(240, 560, 7), 256, 272, 512, 4096, 4096 + 15, 100_000, 1 << 20])
+@pytest.mark.parametrize("offset", [0, 3, 64])
+@pytest.mark.parametrize("seed", [0, 0xDEADBEEF])
+def test_folding_and_software_agree_for_any_length_alignment_and_seed(n, offset, seed):
+    # Below 256 bytes the folding path hands over to the crc32 instruction; above it folds 256,
+    # then 16 bytes at a time and finishes the last 0-15 bytes with the instruction.
+    if not _C.crc32c_isa_supported("vpclmul"):
+        pytest.skip("this CPU has no AVX-512 VPCLMULQDQ")
+    data = np.random.default_rng(n).integers(0, 256, n + offset, dtype=np.uint8)[offset:]
+    assert crc32c(data, seed=seed, impl="vpclmul") == crc32c(data, seed=seed, impl="software")
+
+
+def test_folding_detects_a_flipped_bit_anywhere_in_a_long_buffer():
+    if not _C.crc32c_isa_supported("vpclmul"):
+        pytest.skip("this CPU has no AVX-512 VPCLMULQDQ")
+    data = np.random.default_rng(7).integers(0, 256, 1 << 16, dtype=np.uint8)
+    good = crc32c(data, impl="vpclmul")
+    for byte in (0, 1, 255, 256, 4099, (1 << 16) - 17, (1 << 16) - 1):
+        flipped = data.copy()
+        flipped[byte] ^= 0x10
+        assert crc32c(flipped, impl="vpclmul") == crc32c(flipped, impl="software") != good
 
 
 def test_seed_chains_checksums_when_buffer_is_split(impl):
@@ -72,12 +95,13 @@ def test_bad_buffers_are_rejected_with_reason_when_not_contiguous_or_not_buffers
         crc32c([1, 2, 3])
     with pytest.raises(ValueError, match=r"seed must be an unsigned 32-bit value, got -1"):
         crc32c(b"x", seed=-1)
-    with pytest.raises(ValueError, match=r"must be 'auto', 'sse42' or 'software', got 'fast'"):
+    with pytest.raises(ValueError, match=r"must be 'auto', 'vpclmul', 'sse42' or 'software', got 'fast'"):
         crc32c(b"x", impl="fast")
 
 
 def test_impl_report_names_the_path_when_queried():
-    assert crc32c_impl() in ("sse42", "software")
+    assert crc32c_impl() in ("vpclmul", "sse42", "software")
+    assert crc32c_impl() == "vpclmul" if _C.crc32c_isa_supported("vpclmul") else crc32c_impl() != "vpclmul"
 
 
 @pytest.mark.parametrize("cut", [0, 1, 7, 4096, 99_999, 100_000])

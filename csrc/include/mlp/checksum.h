@@ -7,14 +7,17 @@
 
 namespace mlp {
 
-enum class Crc32cImpl : int { kAuto = 0, kSse42 = 1, kSoftware = 2 };
+enum class Crc32cImpl : int { kAuto = 0, kSse42 = 1, kSoftware = 2, kVpclmul = 3 };
 
 // Whether this CPU has the SSE4.2 crc32 instruction.
 bool crc32c_hw_supported();
+// Whether this CPU can fold with AVX-512 VPCLMULQDQ (used for buffers of 256 bytes or more).
+bool crc32c_vpclmul_supported();
 
 // CRC-32C of `nbytes` bytes at `data`, continuing from `seed` (the CRC of the preceding bytes;
-// 0 for a fresh start), so crc32c(b, crc32c(a)) == crc32c(a + b). kAuto picks SSE4.2 when present.
-// kSse42 on a CPU without it falls back to software.
+// 0 for a fresh start), so crc32c(b, crc32c(a)) == crc32c(a + b). kAuto picks VPCLMULQDQ folding
+// (buffers of 256 bytes or more), else SSE4.2, else software, whichever the CPU has; kVpclmul
+// and kSse42 on a CPU without them fall back the same way; all give the same value.
 std::uint32_t crc32c(const void* data, std::size_t nbytes, std::uint32_t seed = 0,
                      Crc32cImpl impl = Crc32cImpl::kAuto);
 

@@ -147,9 +147,10 @@ void bind_adam(py::module_& m) {
             "The kernel's sqrt over n floats (detects which sqrt the installed torch computes).");
 
     m.def("crc32c_isa_supported", [](const std::string& name) {
+        if (name == "vpclmul") return crc32c_vpclmul_supported();
         if (name == "sse42") return crc32c_hw_supported();
         if (name == "software") return true;
-        throw py::value_error("crc32c implementation must be 'sse42' or 'software', got '" + name + "'");
+        throw py::value_error("crc32c implementation must be 'vpclmul', 'sse42' or 'software', got '" + name + "'");
     });
     m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"),
           "CRC-32C of A||B from crc32c(A), crc32c(B) and len(B).");
@@ -157,13 +158,18 @@ void bind_adam(py::module_& m) {
         "crc32c",
         [](std::uintptr_t addr, std::size_t nbytes, std::uint32_t seed, const std::string& impl) {
             Crc32cImpl which = Crc32cImpl::kAuto;
-            if (impl == "sse42") {
+            if (impl == "vpclmul") {
+                if (!crc32c_vpclmul_supported())
+                    throw py::value_error("crc32c: this CPU has no AVX-512 VPCLMULQDQ");
+                which = Crc32cImpl::kVpclmul;
+            } else if (impl == "sse42") {
                 if (!crc32c_hw_supported()) throw py::value_error("crc32c: this CPU has no SSE4.2 crc32 instruction");
                 which = Crc32cImpl::kSse42;
             } else if (impl == "software") {
                 which = Crc32cImpl::kSoftware;
             } else if (impl != "auto") {
-                throw py::value_error("crc32c implementation must be 'auto', 'sse42' or 'software', got '" + impl + "'");
+                throw py::value_error("crc32c implementation must be 'auto', 'vpclmul', 'sse42' or 'software', got '" +
+                                      impl + "'");
             }
             std::uint32_t crc;
             {
