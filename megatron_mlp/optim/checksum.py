@@ -12,7 +12,7 @@ import numpy as np
 
 from megatron_mlp import _C
 
-__all__ = ["crc32c", "crc32c_combine", "crc32c_impl"]
+__all__ = ["crc32c", "crc32c_combine", "crc32c_impl", "region_crc32c"]
 
 
 def crc32c_impl() -> str:
@@ -83,3 +83,26 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     if int(len_b) < 0:
         raise ValueError(f"crc32c_combine: len_b must be >= 0, got {len_b}")
     return _C.crc32c_combine(int(crc_a), int(crc_b), int(len_b))
+
+
+def region_crc32c(region, array_bytes: int, stride_bytes: int, array_crcs) -> int:
+    """CRC-32C of a region ``[a0 | pad | a1 | pad | ...]`` from the CRCs of its arrays.
+
+    ``region`` is a uint8 tensor; the arrays (``array_bytes`` each, one every ``stride_bytes``)
+    were checksummed already (the fused kernel does it while they are in cache), so only the
+    alignment padding after each is read here: the result equals ``crc32c(region)``.
+
+    Raises:
+        ValueError: the arrays and their strides do not tile the region exactly.
+    """
+    pad = stride_bytes - array_bytes
+    if array_bytes < 0 or pad < 0 or len(array_crcs) * stride_bytes != region.numel():
+        raise ValueError(f"region_crc32c: {len(array_crcs)} arrays of {array_bytes} bytes, one every "
+                         f"{stride_bytes}, do not tile a region of {region.numel()} bytes")
+    crc = 0
+    for i, array_crc in enumerate(array_crcs):
+        crc = crc32c_combine(crc, int(array_crc), array_bytes)
+        if pad:
+            start = i * stride_bytes + array_bytes
+            crc = crc32c(region[start:start + pad], seed=crc)
+    return crc

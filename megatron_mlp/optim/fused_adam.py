@@ -128,7 +128,8 @@ def _check_tensor(name: str, t, allowed: dict, numel: int | None) -> None:
 
 
 def fused_adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *, lr, beta1, beta2, eps,
-                    weight_decay, step, inv_loss_scale=1.0, clip_coef=1.0, num_threads=0) -> None:
+                    weight_decay, step, inv_loss_scale=1.0, clip_coef=1.0, num_threads=0,
+                    checksums=False) -> tuple[int, int, int] | None:
     """One AdamW step over a flat range, in place.
 
     Args:
@@ -140,6 +141,11 @@ def fused_adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *, lr, bet
         inv_loss_scale: applied first, ``g = float(grad) * inv_loss_scale``.
         clip_coef: applied next, ``g = g * clip_coef`` (two fp32 roundings, as Megatron).
         num_threads: threads to use, 0 = the whole pool.
+        checksums: also return the CRC-32C of the updated ``param``, ``exp_avg`` and ``exp_avg_sq``
+            (as ``crc32c(tensor)`` would give), computed tile by tile while each tile is in cache.
+
+    Returns:
+        ``(crc_param, crc_exp_avg, crc_exp_avg_sq)`` with ``checksums=True``, else None.
 
     Raises:
         TypeError / ValueError: a tensor of the wrong dtype, device, size or layout, or bad
@@ -159,11 +165,11 @@ def fused_adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *, lr, bet
     if num_threads < 0:
         raise ValueError(f"fused_adam_step: num_threads must be >= 0, got {num_threads}")
     if n == 0:
-        return
-    _kernel().step(param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
-                   _GRAD_DTYPES[grad.dtype], out_ptr, out_code, n, float(lr), float(beta1), float(beta2),
-                   float(eps), float(weight_decay), int(step), float(inv_loss_scale), float(clip_coef),
-                   int(num_threads))
+        return (0, 0, 0) if checksums else None
+    return _kernel().step(param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
+                          _GRAD_DTYPES[grad.dtype], out_ptr, out_code, n, float(lr), float(beta1), float(beta2),
+                          float(eps), float(weight_decay), int(step), float(inv_loss_scale), float(clip_coef),
+                          int(num_threads), bool(checksums))
 
 
 def grad_stats(grad, num_threads: int = 0) -> tuple[float, bool]:

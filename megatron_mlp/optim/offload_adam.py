@@ -414,7 +414,10 @@ class OffloadAdam:
                             pool.release(buf)
                         raise
                 t0 = time.perf_counter()
-                self._update(sg, buf, grads, params_out, hyper[sg.group], inv_loss_scale, clip_coef, stats)
+                # A region to be written back gets its crc32c from the kernel, which checksums each
+                # tile while it is in cache; a separate pass would stream it through memory again.
+                crc = self._update(sg, buf, grads, params_out, hyper[sg.group], inv_loss_scale, clip_coef, stats,
+                                   checksum=store.checksum and pick not in keep)
                 stats.compute_s += time.perf_counter() - t0
                 stats.subgroups += 1
                 if on_subgroup_done is not None:
@@ -429,7 +432,7 @@ class OffloadAdam:
                 while sum(1 for _, tier, _ in flushing.values() if tier is store) >= max_flushes:
                     self._reap(flushing, errors, block=True)
                 stats.wait_s += time.perf_counter() - t0
-                flushing[store.flush(sg, buf)] = (sg, store, buf)
+                flushing[store.flush(sg, buf, crc=crc)] = (sg, store, buf)
         finally:
             # Never leave I/O running against buffers we are about to reuse.
             for fut, buf in fetching.values():
@@ -546,7 +549,10 @@ class OffloadAdam:
         for buf, _, _ in warm.values():
             self.pool.release(buf)
 
-    def _update(self, sg: Subgroup, buf, grads, params_out, hyper, inv_loss_scale, clip_coef, stats):
+    def _update(self, sg: Subgroup, buf, grads, params_out, hyper, inv_loss_scale, clip_coef, stats,
+                checksum: bool = False) -> int | None:
+        """The fused AdamW step on ``sg`` in ``buf``; with ``checksum``, returns the region's crc32c."""
+        from megatron_mlp.optim.checksum import region_crc32c
         from megatron_mlp.optim.fused_adam import fused_adam_step
         views = _views(sg, buf)
         grad = grads[sg.start:sg.end]
@@ -560,10 +566,13 @@ class OffloadAdam:
             grad = upcast
             stats.upcast_s += time.perf_counter() - t0
         out = params_out[sg.start:sg.end] if params_out is not None else None
-        fused_adam_step(views["param"], views["exp_avg"], views["exp_avg_sq"], grad, out,
-                        lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
-                        weight_decay=hyper["weight_decay"], step=hyper["step"],
-                        inv_loss_scale=float(inv_loss_scale), clip_coef=float(clip_coef))
+        crcs = fused_adam_step(views["param"], views["exp_avg"], views["exp_avg_sq"], grad, out,
+                               lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
+                               weight_decay=hyper["weight_decay"], step=hyper["step"],
+                               inv_loss_scale=float(inv_loss_scale), clip_coef=float(clip_coef), checksums=checksum)
+        if not checksum:
+            return None
+        return region_crc32c(buf.torch(torch.uint8)[: sg.region_bytes], sg.numel * 4, sg.padded_numel * 4, crcs)
 
     def _hyper(self, g: int) -> dict:
         group = self.param_groups[g]

@@ -184,18 +184,24 @@ class TierStore:
         self._read_lane.submit(read)
         return done
 
-    def flush(self, sg: Subgroup, buffer) -> Future:
+    def flush(self, sg: Subgroup, buffer, crc: int | None = None) -> Future:
         """Write ``buffer`` to the free slot of ``sg``, then switch the record; returns a Future.
 
-        The crc32c of the region starts on the checksum thread now, while the write waits for and
-        holds the lane (the buffer does not change during a flush). The lane is free for the
-        tier's next request as soon as the write is done; the record switches, and the Future
-        completes, once the crc32c is done too. (Waiting for the crc32c on the lane left a disk
-        idle for each region's checksum whenever the 2 cores were busy.)
+        ``crc``: the region's crc32c when the caller has it (the fused kernel computes it while
+        the state is in cache). Otherwise the crc32c starts on the checksum thread now, while the
+        write waits for and holds the lane (the buffer does not change during a flush). The lane
+        is free for the tier's next request as soon as the write is done; the record switches,
+        and the Future completes, once the crc32c is done too. (Waiting for the crc32c on the lane
+        left a disk idle for each region's checksum whenever the 2 cores were busy.)
         """
         done: Future = Future()
         region = self._region(sg, buffer)
-        crc_future = self._cpu.submit(self._timed_crc, region) if self.checksum else None
+        crc_future = None
+        if self.checksum and crc is not None:
+            crc_future = Future()
+            crc_future.set_result(int(crc))
+        elif self.checksum:
+            crc_future = self._cpu.submit(self._timed_crc, region)
         self._write_lane.submit(self._flush, sg, region, crc_future, done)
         return done
 

@@ -125,3 +125,20 @@ def test_combine_rejects_out_of_range_values_with_argument_name_when_invalid():
         crc32c_combine(0, 1 << 32, 1)
     with pytest.raises(ValueError, match=r"len_b must be >= 0, got -1"):
         crc32c_combine(0, 0, -1)
+
+
+@pytest.mark.parametrize("numel, padded", [(1000, 1024), (1024, 1024), (1, 1024), (0, 1024)])
+def test_region_crc_from_array_crcs_equals_the_crc_of_the_whole_region_padding_included(numel, padded):
+    from megatron_mlp.optim.checksum import region_crc32c
+    region = torch.from_numpy(np.random.default_rng(numel).integers(0, 256, 3 * padded * 4, dtype=np.uint8))
+    arrays = [region[i * padded * 4:i * padded * 4 + numel * 4] for i in range(3)]
+    crcs = [crc32c(a) for a in arrays]
+    assert region_crc32c(region, numel * 4, padded * 4, crcs) == crc32c(region)
+
+
+def test_region_crc_rejects_arrays_that_do_not_tile_the_region():
+    from megatron_mlp.optim.checksum import region_crc32c
+    with pytest.raises(ValueError, match="do not tile a region of 100 bytes"):
+        region_crc32c(torch.zeros(100, dtype=torch.uint8), 32, 32, [0, 0, 0])
+    with pytest.raises(ValueError, match="do not tile"):
+        region_crc32c(torch.zeros(96, dtype=torch.uint8), 40, 32, [0, 0, 0])

@@ -438,3 +438,29 @@ def test_kernel_still_updates_correctly_in_a_forked_child_when_parent_used_it_fi
             pytest.fail("the forked child hung")
         time.sleep(0.05)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+
+
+@pytest.mark.parametrize("n", [1, 63, 4096, 4097, 3 * 4096 + 5, 1_000_003])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_checksums_are_the_crc32c_of_the_updated_arrays_and_change_nothing_else(isa, n, num_threads):
+    # The kernel checksums tile by tile (4096 elements) in each thread's piece and joins the
+    # pieces: every tile boundary, thread split and tail must give crc32c of the whole array.
+    from megatron_mlp.optim.checksum import crc32c
+    gen = torch.Generator().manual_seed(n)
+    state = [torch.randn(n, generator=gen), torch.rand(n, generator=gen), torch.rand(n, generator=gen)]
+    grad = (torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16)
+    plain = [t.clone() for t in state]
+    out, plain_out = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=3, num_threads=num_threads)
+    crcs = fa.fused_adam_step(*state, grad, out, checksums=True, **hyper)
+    assert fa.fused_adam_step(*plain, grad, plain_out, **hyper) is None
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), state, plain):
+        assert_bitwise_equal(a, b, name)
+    assert_bitwise_equal(out, plain_out, "param_out")
+    assert crcs == tuple(crc32c(t) for t in state)
+
+
+def test_checksums_of_an_empty_range_are_those_of_empty_arrays():
+    empty = [torch.empty(0) for _ in range(3)]
+    assert fa.fused_adam_step(*empty, torch.empty(0, dtype=torch.bfloat16), lr=1e-3, beta1=0.9, beta2=0.999,
+                              eps=1e-8, weight_decay=0.0, step=1, checksums=True) == (0, 0, 0)

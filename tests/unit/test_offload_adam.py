@@ -322,6 +322,29 @@ def test_no_cache_hits_when_cache_ordering_is_off(tier_dirs):
             assert opt.last_step_stats["order"] == "ascending"
 
 
+def test_a_steps_write_backs_take_their_crc32c_from_the_kernel_and_match_the_bytes_on_storage(tier_dirs):
+    # 1000 elements: each array is padded to 1024, so the padding enters the region's crc too.
+    from megatron_mlp.optim.checksum import crc32c
+    opt, ref = make(tier_dirs, 2, subgroup_params=1000, host_cache_bytes=0, warm_buffers=False)
+    second_passes = []
+    for store in opt.stores:
+        timed = store._timed_crc
+        store._timed_crc = lambda region, timed=timed: second_passes.append(1) or timed(region)
+    with opt:
+        for step in range(3):
+            g = grads_for(step, torch.bfloat16)
+            opt.step(g)
+            ref.step(g)
+        assert second_passes == [], "no region written back by a step is read again for its checksum"
+        for sg in opt.plan:
+            store = opt._store_of[opt.tier_of[sg.index]]
+            rec = store.records[sg.index]
+            with open(store.file_path, "rb") as f:
+                on_storage = f.read()[rec.offsets[rec.current]:rec.offsets[rec.current] + sg.region_bytes]
+            assert rec.crc == crc32c(on_storage), f"subgroup {sg.index}"
+        assert_state_equal(opt, ref)   # reads verify every region against those records
+
+
 def test_scratch_dir_is_private_and_removed_on_close(tier_dirs):
     opt, _ = make(tier_dirs, 2, subgroup_params=2000)
     dirs = [s.scratch_dir for s in opt.stores]

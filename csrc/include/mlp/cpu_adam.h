@@ -142,9 +142,13 @@ public:
 
     // Updates param/exp_avg/exp_avg_sq (fp32, n elements) in place from grad; writes the new
     // params converted to out_dtype into `out` when it is not null. num_threads <= 0: all.
-    // Returns 0 or -EINVAL.
+    // When `crcs` is not null it receives the CRC-32C of the updated param, exp_avg and
+    // exp_avg_sq arrays (n * 4 bytes each), computed tile by tile while the tile is still in
+    // cache: the write-back needs them, and a separate pass would stream the state through
+    // memory once more. Returns 0 or -EINVAL.
     int step(const AdamHyper& hyper, float* param, float* exp_avg, float* exp_avg_sq, const void* grad,
-             DType grad_dtype, void* out, DType out_dtype, std::size_t n, int num_threads = 0);
+             DType grad_dtype, void* out, DType out_dtype, std::size_t n, int num_threads = 0,
+             std::uint32_t* crcs = nullptr);
 
     int grad_stats(const void* grad, DType dtype, std::size_t n, GradStats* out, int num_threads = 0);
 
@@ -165,6 +169,9 @@ private:
 // Boundary granularity of the per-thread partition: 64 elements = 256 bytes of fp32 state and
 // 128 bytes of 16-bit data, whole cache lines for every array when the arrays are 64-byte aligned.
 constexpr std::size_t kChunkElems = 64;
+// Elements per tile when step() also checksums: 16 KiB of each fp32 array, so the tile the
+// kernel just wrote is still in L1/L2 when its CRC-32C reads it (a multiple of kChunkElems).
+constexpr std::size_t kCrcTileElems = 4096;
 // Below this many elements per extra thread, waking a worker costs more than it saves.
 constexpr std::size_t kMinElemsPerThread = 1 << 15;
 
