@@ -110,9 +110,9 @@ def run(args) -> dict:
     out = torch.empty(n, dtype=out_dtype)
     step = [0]
 
-    def mlp_step():
+    def mlp_step(checksums=False):
         step[0] += 1
-        fa.fused_adam_step(p, m, v, grad, out, step=step[0], num_threads=threads, **hyper)
+        fa.fused_adam_step(p, m, v, grad, out, step=step[0], num_threads=threads, checksums=checksums, **hyper)
 
     tp = torch.nn.Parameter(torch.randn(n, generator=gen))
     topt = torch.optim.AdamW([tp], lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
@@ -125,7 +125,10 @@ def run(args) -> dict:
     kernel = fa._kernel()
     contenders = {"copy": lambda: dst.copy_(src),
                   "pool_copy": lambda: kernel.copy(dst.data_ptr(), src.data_ptr(), copy_n * 4, threads),
-                  "mlp": mlp_step, "torch": torch_step}
+                  "mlp": mlp_step,
+                  # as the optimizer runs it for a subgroup it writes back: crc32c of p, m, v per tile
+                  "mlp_checksums": lambda: mlp_step(checksums=True),
+                  "torch": torch_step}
     ds_cls, ds_reason = _deepspeed_adam()
     if ds_cls is not None:
         try:
@@ -165,7 +168,10 @@ def run(args) -> dict:
     bound = bw / bytes_per_param / 1e9
     mlp = _summary(n, times["mlp"])
     tor = _summary(n, times["torch"])
+    ck = _summary(n, times["mlp_checksums"])
     result.update({
+        "mlp_checksums_gparams_s": ck["median"], "mlp_checksums_gparams_s_min": ck["min"],
+        "mlp_checksums_gparams_s_max": ck["max"],
         "mlp_gparams_s": mlp["median"], "mlp_gparams_s_min": mlp["min"], "mlp_gparams_s_max": mlp["max"],
         "torch_gparams_s": tor["median"], "torch_gparams_s_min": tor["min"], "torch_gparams_s_max": tor["max"],
         "copy_gbs": bw / 1e9, "torch_copy_gbs": statistics.median(copy_rates) / 1e9,
@@ -192,7 +198,8 @@ def _print_human(r: dict) -> None:
           f"memcpy on the kernel's pool {r['pool_copy_gbs']:.1f} GB/s; bound uses {r['copy_gbs']:.1f} GB/s")
     print(f"bound: {r['bound_model']} -> {r['bound_gparams_s']:.2f} Gparam/s")
     print(f"{'':34}{'median':>8}{'min':>8}{'max':>8}   Gparam/s")
-    rows = [("megatron_mlp fused_adam_step", "mlp"), ("torch AdamW(fused=True) + upcast", "torch")]
+    rows = [("megatron_mlp fused_adam_step", "mlp"), ("  the same, with crc32c of p, m, v", "mlp_checksums"),
+            ("torch AdamW(fused=True) + upcast", "torch")]
     if "deepspeed_gparams_s" in r:
         rows.append(("DeepSpeedCPUAdam + upcast", "deepspeed"))
     for label, key in rows:

@@ -18,7 +18,8 @@ def test_bench_adam_prints_one_json_object_with_all_figures_when_json_requested(
     for key in ("mlp_gparams_s", "torch_gparams_s", "bound_gparams_s", "ratio_vs_torch", "fraction_of_bound",
                 "isa", "threads", "copy_gbs", "torch_copy_gbs", "pool_copy_gbs", "bytes_per_param", "crc32c_gbs"):
         assert key in result, key
-    for key in ("mlp_gparams_s", "torch_gparams_s", "bound_gparams_s", "copy_gbs", "crc32c_gbs"):
+    for key in ("mlp_gparams_s", "mlp_checksums_gparams_s", "torch_gparams_s", "bound_gparams_s", "copy_gbs",
+                "crc32c_gbs"):
         assert result[key] > 0, key
     assert result["bytes_per_param"] == {"bf16": 28, "fp16": 28, "fp32": 30}[grad_dtype]
     assert result["ratio_vs_torch"] == pytest.approx(result["mlp_gparams_s"] / result["torch_gparams_s"])
