@@ -1,9 +1,9 @@
-// CRC-32C: carry-less multiply folding where the CPU has AVX-512 VPCLMULQDQ (several times the
-// crc32 instruction's 8 bytes per cycle); else the SSE4.2 crc32 instruction over three
-// interleaved streams (the instruction has a latency of 3 cycles and a throughput of 1 per
-// cycle), recombined with precomputed "append zeros" operators; slicing-by-8 tables as the
-// portable fallback. All tables are immutable after their
-// thread-safe first-use initialisation.
+// CRC-32C: carry-less multiply folding where the CPU has AVX-512 VPCLMULQDQ (four 128-bit folds
+// per instruction; about twice the crc32 instruction's speed on an AMD EPYC); else the SSE4.2
+// crc32 instruction over three interleaved streams (the instruction has a latency of 3 cycles and
+// a throughput of 1 per cycle), recombined with precomputed "append zeros" operators;
+// slicing-by-8 tables as the portable fallback. All tables and constants are immutable after
+// their thread-safe first-use initialisation.
 #include "mlp/checksum.h"
 
 #include <array>

@@ -11,7 +11,8 @@ time, each on one core:
   cpu           an integer loop that touches no memory beyond its cache
   memory-read   a streaming read of a host array (``--array-bytes``)
   memory-write  a streaming write of that array
-  adam          the fused Adam kernel on one thread (bf16 gradients), as the optimizer runs it
+  adam          the fused Adam kernel on one thread (bf16 gradients, with the crc32c a write-back
+                needs), as the optimizer runs it
 
 In each repeat the conditions run in a shuffled order, so drift over minutes hits all alike;
 figures are medians over repeats, and each ratio compares a load with the idle passes of the
@@ -75,7 +76,7 @@ def _load_loop(kind: str, array_bytes: int, ready, stop) -> None:
         while not stop.is_set():
             step += 1
             fused_adam_step(p, m, v, g, out, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-                            step=step, num_threads=1)
+                            step=step, num_threads=1, checksums=True)
             ready.set()
         return
     raise ConfigError(f"unknown load {kind!r}; choose from {', '.join(LOADS)}")
