@@ -95,6 +95,7 @@ class _Load:
         deadline = time.monotonic() + _LOAD_START_TIMEOUT_S
         while not self.ready.wait(0.1):
             if not self.proc.is_alive():
+                self._end()
                 raise RuntimeError(f"the {self.kind} load process exited with code {self.proc.exitcode} "
                                    "before it started")
             if time.monotonic() > deadline:
@@ -115,15 +116,16 @@ class _Load:
 
 # ----------------------------------------------------------------------------- measurement
 
-def _pass(eng, f, buf, nbytes: int, write: bool) -> float:
-    """One sequential pass over ``nbytes`` of the file, two requests in flight; returns bytes/s."""
+def _pass(eng, f, bufs, nbytes: int, write: bool) -> float:
+    """One sequential pass over ``nbytes`` of the file, two requests in flight (one per buffer of
+    ``bufs``); returns bytes/s."""
     submit = eng.write if write else eng.read
     inflight = []
     t0 = time.perf_counter()
-    for off in range(0, nbytes, buf.nbytes):
+    for i, off in enumerate(range(0, nbytes, bufs[0].nbytes)):
         if len(inflight) >= 2:
             inflight.pop(0).wait()
-        inflight.append(submit(f, buf, off))
+        inflight.append(submit(f, bufs[i % 2], off))
     for r in inflight:
         r.wait()
     return nbytes / (time.perf_counter() - t0)
@@ -158,8 +160,9 @@ def measure_interference(path: str, nbytes: int, loads=LOADS, repeats: int = 3, 
     fd, file_path = tempfile.mkstemp(prefix="mlp-bench-interference-", suffix=".bin", dir=path)
     os.close(fd)
     try:
-        buf = eng.alloc(chunk)
-        buf.numpy()[:] = 0x5A
+        buf = [eng.alloc(chunk) for _ in range(2)]
+        for b in buf:
+            b.numpy()[:] = 0x5A
         f = eng.open(file_path, create=False, direct=True)
         try:
             _pass(eng, f, buf, nbytes, write=True)   # lay the file out once, unmeasured
