@@ -275,39 +275,32 @@ int CpuAdam::step(const AdamHyper& hyper, float* param, float* exp_avg, float* e
     const int k = plan_tasks(n, num_threads);
     const Isa isa = isa_;
     const std::size_t gb = dtype_bytes(grad_dtype), ob = dtype_bytes(out_dtype);
-    if (!crcs) {
-        pool_.run(k, [&](int t) {
-            std::size_t b, e;
-            piece(n, k, t, &b, &e);
-            if (b >= e) return;
-            void* o = out ? static_cast<char*>(out) + b * ob : nullptr;
-            adam_update_range(isa, s, param + b, exp_avg + b, exp_avg_sq + b,
-                              static_cast<const char*>(grad) + b * gb, grad_dtype, o, out_dtype, e - b);
-        });
-        return 0;
-    }
-    // Each thread checksums its own piece of each array, tile by tile right after updating the
-    // tile; the pieces' CRCs are then joined in order (crc32c_combine).
+    // With `crcs`, each thread checksums its own piece of each array, tile by tile right after
+    // updating the tile; the pieces' CRCs are then joined in order (crc32c_combine). Without,
+    // a thread's piece is one tile.
     struct PieceCrc {
         std::uint32_t crc[3] = {0, 0, 0};
         std::size_t bytes = 0;
     };
-    std::vector<PieceCrc> parts(static_cast<std::size_t>(k));
+    std::vector<PieceCrc> parts(crcs ? static_cast<std::size_t>(k) : 0);
     pool_.run(k, [&](int t) {
         std::size_t b, e;
         piece(n, k, t, &b, &e);
-        PieceCrc& part = parts[static_cast<std::size_t>(t)];
-        for (std::size_t i = b; i < e; i += kCrcTileElems) {
-            const std::size_t len = std::min(kCrcTileElems, e - i);
+        const std::size_t tile = crcs ? kCrcTileElems : e - b;
+        for (std::size_t i = b; i < e; i += tile) {
+            const std::size_t len = std::min(tile, e - i);
             void* o = out ? static_cast<char*>(out) + i * ob : nullptr;
             adam_update_range(isa, s, param + i, exp_avg + i, exp_avg_sq + i,
                               static_cast<const char*>(grad) + i * gb, grad_dtype, o, out_dtype, len);
+            if (!crcs) continue;
+            PieceCrc& part = parts[static_cast<std::size_t>(t)];
             part.crc[0] = crc32c(param + i, len * 4, part.crc[0]);
             part.crc[1] = crc32c(exp_avg + i, len * 4, part.crc[1]);
             part.crc[2] = crc32c(exp_avg_sq + i, len * 4, part.crc[2]);
+            part.bytes += len * 4;
         }
-        part.bytes = b < e ? (e - b) * 4 : 0;
     });
+    if (!crcs) return 0;
     for (int a = 0; a < 3; ++a) {
         std::uint32_t crc = parts[0].crc[a];
         for (std::size_t t = 1; t < parts.size(); ++t) crc = crc32c_combine(crc, parts[t].crc[a], parts[t].bytes);
