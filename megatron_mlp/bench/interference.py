@@ -116,9 +116,10 @@ class _Load:
 
 # ----------------------------------------------------------------------------- measurement
 
-def _pass(eng, f, bufs, nbytes: int, write: bool) -> float:
+def sequential_pass(eng, f, bufs, nbytes: int, write: bool) -> float:
     """One sequential pass over ``nbytes`` of the file, two requests in flight (one per buffer of
-    ``bufs``); returns bytes/s."""
+    ``bufs``, whose size is the request size); returns bytes/s. The bandwidth pass of bench
+    update uses it too."""
     submit = eng.write if write else eng.read
     inflight = []
     t0 = time.perf_counter()
@@ -160,22 +161,27 @@ def measure_interference(path: str, nbytes: int, loads=LOADS, repeats: int = 3, 
     fd, file_path = tempfile.mkstemp(prefix="mlp-bench-interference-", suffix=".bin", dir=path)
     os.close(fd)
     try:
-        buf = [eng.alloc(chunk) for _ in range(2)]
-        for b in buf:
+        bufs = [eng.alloc(chunk) for _ in range(2)]
+        for b in bufs:
             b.numpy()[:] = 0x5A
         f = eng.open(file_path, create=False, direct=True)
         try:
-            _pass(eng, f, buf, nbytes, write=True)   # lay the file out once, unmeasured
+            sequential_pass(eng, f, bufs, nbytes, write=True)   # lay the file out once, unmeasured
+
+            def passes():
+                return (sequential_pass(eng, f, bufs, nbytes, True),
+                        sequential_pass(eng, f, bufs, nbytes, False))
+
             rng = random.Random(seed)
             for _ in range(repeats):
                 order = list(conditions)
                 rng.shuffle(order)
                 for cond in order:
                     if cond == "idle":
-                        w, r = _pass(eng, f, buf, nbytes, True), _pass(eng, f, buf, nbytes, False)
+                        w, r = passes()
                     else:
                         with _Load(ctx, cond, array_bytes):
-                            w, r = _pass(eng, f, buf, nbytes, True), _pass(eng, f, buf, nbytes, False)
+                            w, r = passes()
                     samples[cond]["write"].append(w)
                     samples[cond]["read"].append(r)
         finally:

@@ -94,6 +94,7 @@ def measure_tier(spec: TierSpec, nbytes: int, backend: str, block_bytes: int, qu
     """
     import threading
 
+    from megatron_mlp.bench.interference import sequential_pass
     from megatron_mlp.engine import Engine
 
     qos = int(spec.qos_bytes_per_s or 0)
@@ -105,22 +106,9 @@ def measure_tier(spec: TierSpec, nbytes: int, backend: str, block_bytes: int, qu
     bufs = [[eng.alloc(chunk) for _ in range(2)] for eng in engines]
     paths = [os.path.join(d, f"f{i}") for i in range(2)]
     files = [[eng.open(p, create=True, direct=True) for p in paths] for eng in engines]
-    offsets = range(0, nbytes, chunk)
 
-    def one_pass(k, write, f):   # two requests in flight on engine k
-        eng, inflight = engines[k], []
-        for i, off in enumerate(offsets):
-            if len(inflight) >= 2:
-                inflight.pop(0).wait()
-            buf = bufs[k][i % 2]
-            inflight.append(eng.write(files[k][f], buf, off) if write else eng.read(files[k][f], buf, off))
-        for r in inflight:
-            r.wait()
-
-    def timed(fn, *a):
-        t0 = time.perf_counter()
-        fn(*a)
-        return time.perf_counter() - t0
+    def one_pass(k, write, f):   # two requests in flight on engine k; returns seconds
+        return nbytes / sequential_pass(engines[k], files[k][f], bufs[k], nbytes, write)
 
     def both():
         threads = [threading.Thread(target=one_pass, args=(0, False, 1)),
@@ -136,9 +124,9 @@ def measure_tier(spec: TierSpec, nbytes: int, backend: str, block_bytes: int, qu
         one_pass(1, True, 1)
         one_pass(1, True, 0)
         # Best of two passes each: the bound must not be inflated by a momentary slowdown.
-        t_write = min(timed(one_pass, 1, True, 0) for _ in range(2))
-        t_read = min(timed(one_pass, 0, False, 0) for _ in range(2))
-        t_mixed = min(timed(both) for _ in range(2))
+        t_write = min(one_pass(1, True, 0) for _ in range(2))
+        t_read = min(one_pass(0, False, 0) for _ in range(2))
+        t_mixed = min(_timed(both) for _ in range(2))
     finally:
         for per_engine in files:
             for f in per_engine:
@@ -155,6 +143,12 @@ def measure_tier(spec: TierSpec, nbytes: int, backend: str, block_bytes: int, qu
             "qos_bytes_per_s": spec.qos_bytes_per_s, "read_bytes_per_s": read_bps,
             "write_bytes_per_s": write_bps, "concurrent_bytes_per_s": mixed_bps,
             "shared_rw_limit": shared, "measured_bytes": nbytes}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def alongside_adam(path: str, nbytes: int, backend: str) -> dict:
