@@ -16,6 +16,13 @@ from megatron_mlp.tier.spec import TierSpec, parse_tier_paths
 ORDER_POLICIES = ("alternate", "ascending")
 BACKENDS = ("auto", "io_uring", "threads")
 CALIBRATION_MODES = ("auto", "off")  # or a path to a calibration JSON file
+# The I/O geometry of the tiers' engines, also used by the calibration and the benches' bandwidth
+# passes so that a tier is measured as the optimizer drives it. Deep queues of large tasks: on a
+# virtualized disk whose host shares memory bandwidth with our cores, 32 tasks of 8 MiB kept a step
+# 10-16 % faster than 8 of 1 MiB (docs/benchmarks/update.md); an NVMe or a parallel file system
+# takes such requests at full rate too (Lustre and GPFS prefer multi-MiB requests).
+DEFAULT_IO_BLOCK_BYTES = 8 << 20
+DEFAULT_IO_QUEUE_DEPTH = 32
 
 
 @dataclass(frozen=True)
@@ -40,11 +47,11 @@ class MLPOffloadConfig:
     """--mlp-offload-order: 'alternate' (ascending/descending per iteration) or 'ascending'."""
     backend: str = "auto"
     """--mlp-offload-io-backend: 'auto', 'io_uring' or 'threads'."""
-    block_bytes: int = 1 << 20
+    block_bytes: int = DEFAULT_IO_BLOCK_BYTES
     """--mlp-offload-io-block-size: bytes per I/O task."""
-    queue_depth: int = 8
+    queue_depth: int = DEFAULT_IO_QUEUE_DEPTH
     """--mlp-offload-io-queue-depth: I/O tasks in flight per engine."""
-    io_threads: int = 8
+    io_threads: int = DEFAULT_IO_QUEUE_DEPTH
     """--mlp-offload-io-threads: workers of the thread-pool backend (as many as the queue depth, so
     every queued task can be in flight when io_uring is unavailable)."""
     calibration: str = "auto"

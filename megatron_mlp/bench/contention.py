@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bytes-per-proc", default="1GiB", help="bytes each process writes then reads (default 1GiB)")
     p.add_argument("--chunk-bytes", default="64MiB", help="bytes moved per token hold, a subgroup (default 64MiB)")
     p.add_argument("--queue-depth", type=int, default=8,
-                   help="I/O tasks in flight per process, as --mlp-offload-io-queue-depth (default 8)")
+                   help="I/O tasks of 1 MiB in flight per process (default 8; the optimizer's own is "
+                        "--mlp-offload-io-queue-depth)")
     p.add_argument("--slots", type=int, default=1,
                    help="token holders allowed at once, as --mlp-offload-tokens-per-tier (default 1)")
     p.add_argument("--repeats", type=int, default=1, help="rounds per mode, alternating modes (default 1)")

@@ -30,12 +30,13 @@ import sys
 import tempfile
 import time
 
+from megatron_mlp.bench.io_geometry import add_io_geometry_args, io_geometry
+from megatron_mlp.config import DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEUE_DEPTH
 from megatron_mlp.errors import ConfigError, EngineUnavailable
 from megatron_mlp.tier.spec import parse_size
 
 GB = 1e9
 LOADS = ("cpu", "memory-read", "memory-write", "adam")
-_CHUNK = 64 << 20          # bytes per request, as the bandwidth pass of bench update
 _LOAD_START_TIMEOUT_S = 120.0
 
 
@@ -116,6 +117,13 @@ class _Load:
 
 # ----------------------------------------------------------------------------- measurement
 
+def pass_request_bytes(block_bytes: int, queue_depth: int, nbytes: int) -> int:
+    """Bytes per request of a sequential pass: enough for one request alone to fill the engine's
+    queue (at least 64 MiB), so that a pass drives the tier as deep as a step's whole-region
+    requests do; at most ``nbytes`` rounded down to 4096."""
+    return min(max(64 << 20, block_bytes * queue_depth), nbytes // 4096 * 4096)
+
+
 def sequential_pass(eng, f, bufs, nbytes: int, write: bool) -> float:
     """One sequential pass over ``nbytes`` of the file, two requests in flight (one per buffer of
     ``bufs``, whose size is the request size); returns bytes/s. The bandwidth pass of bench
@@ -133,7 +141,8 @@ def sequential_pass(eng, f, bufs, nbytes: int, write: bool) -> float:
 
 
 def measure_interference(path: str, nbytes: int, loads=LOADS, repeats: int = 3, *, backend: str = "auto",
-                         block_bytes: int = 1 << 20, queue_depth: int = 8, array_bytes: int = 256 << 20,
+                         block_bytes: int = DEFAULT_IO_BLOCK_BYTES, queue_depth: int = DEFAULT_IO_QUEUE_DEPTH,
+                         array_bytes: int = 256 << 20,
                          seed: int = 0) -> dict:
     """Write and read bandwidth of the tier at ``path``, idle and alongside each load.
 
@@ -150,14 +159,14 @@ def measure_interference(path: str, nbytes: int, loads=LOADS, repeats: int = 3, 
     for kind in loads:
         if kind not in LOADS:
             raise ConfigError(f"--loads: unknown load {kind!r}; choose from {', '.join(LOADS)}")
-    chunk = min(_CHUNK, nbytes // 4096 * 4096)
+    chunk = pass_request_bytes(block_bytes, queue_depth, nbytes)
     if chunk <= 0:
         raise ConfigError(f"--bytes: {nbytes} is less than one 4096-byte block")
     nbytes = nbytes // chunk * chunk
     ctx = worker_mp_context(["numpy"])
     conditions = ["idle", *loads]
     samples = {c: {"write": [], "read": []} for c in conditions}
-    eng = Engine(backend=backend, block_bytes=block_bytes, queue_depth=queue_depth)
+    eng = Engine(backend=backend, block_bytes=block_bytes, queue_depth=queue_depth, num_threads=queue_depth)
     fd, file_path = tempfile.mkstemp(prefix="mlp-bench-interference-", suffix=".bin", dir=path)
     os.close(fd)
     try:
@@ -211,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--array-bytes", default="256MiB", help="host array of a memory or adam load (default 256MiB)")
     p.add_argument("--backend", default="auto", choices=("auto", "io_uring", "threads"))
+    add_io_geometry_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout and nothing else")
     return p
 
@@ -221,6 +231,7 @@ def run(args) -> dict:
     if not os.access(args.path, os.W_OK):
         raise ConfigError(f"--path: {args.path} is not writable")
     nbytes = parse_size(str(args.bytes), "--bytes")
+    block_bytes, queue_depth = io_geometry(args)
     array_bytes = parse_size(str(args.array_bytes), "--array-bytes")
     if args.repeats <= 0:
         raise ConfigError(f"--repeats: {args.repeats} must be positive")
@@ -232,15 +243,17 @@ def run(args) -> dict:
         raise ConfigError(f"--bytes: {nbytes} bytes do not fit in the {free.f_bavail * free.f_frsize} bytes "
                           f"free on {args.path}")
     conditions = measure_interference(args.path, nbytes, loads, args.repeats, backend=args.backend,
-                                      array_bytes=array_bytes)
+                                      block_bytes=block_bytes, queue_depth=queue_depth, array_bytes=array_bytes)
     return {"benchmark": "interference", "path": args.path, "repeats": args.repeats,
+            "io_block_bytes": block_bytes, "io_queue_depth": queue_depth,
             "measured_bytes": conditions.pop("measured_bytes"), "array_bytes": array_bytes,
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
             "conditions": conditions}
 
 
 def format_text(r: dict) -> str:
-    lines = [f"bench interference: {r['path']}, passes of {r['measured_bytes'] / GB:.2f} GB, {r['repeats']} repeat(s); "
+    lines = [f"bench interference: {r['path']}, passes of {r['measured_bytes'] / GB:.2f} GB "
+             f"(tasks of {r['io_block_bytes'] / 2**20:g} MiB x{r['io_queue_depth']}), {r['repeats']} repeat(s); "
              f"each load is one process on one core (of {r['machine']['cpus']})",
              f"  {'alongside':<14} {'write GB/s':>11} {'vs idle':>8} {'read GB/s':>11} {'vs idle':>8}"]
     for cond, c in r["conditions"].items():

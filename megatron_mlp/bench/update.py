@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 
+from megatron_mlp.bench.io_geometry import add_io_geometry_args, io_geometry
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier.spec import TierSpec, parse_size, parse_tier_paths
 
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--calib-bytes", default="1GB", help="bytes per tier for the bandwidth measurement")
     p.add_argument("--backend", default="auto", choices=("auto", "io_uring", "threads"))
+    add_io_geometry_args(p)
     p.add_argument("--no-ablation", action="store_true", help="only the baseline and MLP-Offload")
     p.add_argument("--no-interference", action="store_true",
                    help="skip measuring each real tier alongside the Adam kernel (bench interference)")
@@ -94,14 +96,14 @@ def measure_tier(spec: TierSpec, nbytes: int, backend: str, block_bytes: int, qu
     """
     import threading
 
-    from megatron_mlp.bench.interference import sequential_pass
+    from megatron_mlp.bench.interference import pass_request_bytes, sequential_pass
     from megatron_mlp.engine import Engine
 
     qos = int(spec.qos_bytes_per_s or 0)
-    chunk = min(64 << 20, max(4096, nbytes // 4096 * 4096))
+    chunk = max(4096, pass_request_bytes(block_bytes, queue_depth, nbytes))
     nbytes = max(chunk, nbytes // chunk * chunk)
     d = tempfile.mkdtemp(prefix="mlp-offload-bw-", dir=spec.path)
-    engines = [Engine(backend=backend, block_bytes=block_bytes, queue_depth=queue_depth,
+    engines = [Engine(backend=backend, block_bytes=block_bytes, queue_depth=queue_depth, num_threads=queue_depth,
                       read_limit_bytes_per_s=qos, write_limit_bytes_per_s=qos) for _ in range(2)]
     bufs = [[eng.alloc(chunk) for _ in range(2)] for eng in engines]
     paths = [os.path.join(d, f"f{i}") for i in range(2)]
@@ -151,13 +153,14 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def alongside_adam(path: str, nbytes: int, backend: str) -> dict:
+def alongside_adam(path: str, nbytes: int, backend: str, block_bytes: int, queue_depth: int) -> dict:
     """The tier's write and read bandwidth while the fused Adam kernel runs on one core, against
     idle passes of the same measurement: the step runs that kernel while its tiers move the state,
     and the I/O bound (idle cores) cannot see what it costs on a host where they compete."""
     from megatron_mlp.bench.interference import measure_interference
 
-    r = measure_interference(path, nbytes, ("adam",), repeats=1, backend=backend)["adam"]
+    r = measure_interference(path, nbytes, ("adam",), repeats=1, backend=backend, block_bytes=block_bytes,
+                             queue_depth=queue_depth)["adam"]
     return {k: r[k] for k in ("write_bytes_per_s", "read_bytes_per_s", "write_vs_idle", "read_vs_idle")}
 
 
@@ -243,7 +246,8 @@ def _config(args, tiers, **overrides):
     from megatron_mlp.config import MLPOffloadConfig
     return MLPOffloadConfig(tiers=tiers, subgroup_params=args.subgroup_params,
                             host_cache_bytes=args.host_cache, prefetch_depth=args.prefetch_depth,
-                            flush_depth=args.flush_depth, backend=args.backend,
+                            flush_depth=args.flush_depth, backend=args.backend, block_bytes=args.io_block_bytes,
+                            queue_depth=args.io_queue_depth, io_threads=args.io_queue_depth,
                             runtime_dir=args.runtime_dir, **overrides)
 
 
@@ -265,7 +269,8 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
 
     # -- the ZeRO-3-style baseline
     barrier.wait()
-    eng = Engine(backend=args.backend, block_bytes=1 << 20, queue_depth=8,
+    eng = Engine(backend=args.backend, block_bytes=args.io_block_bytes, queue_depth=args.io_queue_depth,
+                 num_threads=args.io_queue_depth,
                  read_limit_bytes_per_s=int(tiers[0].qos_bytes_per_s or 0),
                  write_limit_bytes_per_s=int(tiers[0].qos_bytes_per_s or 0))
     base = ZeroStyleOffload(tiers[0].path, numel, args.subgroup_params, eng)
@@ -396,7 +401,8 @@ def summarize(args, tiers, bandwidth, results) -> dict:
         "config": {"paths": args.paths, "num_params": args.num_params, "subgroup_params": args.subgroup_params,
                    "host_cache_bytes": args.host_cache, "prefetch_depth": args.prefetch_depth,
                    "flush_depth": args.flush_depth, "ranks": args.ranks, "steps": args.steps,
-                   "grad_dtype": args.grad_dtype, "backend": args.backend},
+                   "grad_dtype": args.grad_dtype, "backend": args.backend,
+                   "io_block_bytes": args.io_block_bytes, "io_queue_depth": args.io_queue_depth},
         "tiers": tier_rows,
         "emulated_paths": [row["path"] for row in tier_rows if row["emulated"]],
         "baseline_s": baseline_s, "baseline_min_s": base_min, "baseline_max_s": base_max,
@@ -432,7 +438,9 @@ def _text(summary) -> str:
     gb = 1e9
     lines = [f"bench update: {summary['config']['num_params']:,} params, subgroups of "
              f"{summary['config']['subgroup_params']:,}, host cache {summary['config']['host_cache_bytes'] / gb:.2f} GB, "
-             f"{summary['config']['ranks']} rank(s), grads {summary['config']['grad_dtype']}"]
+             f"{summary['config']['ranks']} rank(s), grads {summary['config']['grad_dtype']}, "
+             f"I/O tasks of {summary['config']['io_block_bytes'] / 2**20:g} MiB x{summary['config']['io_queue_depth']} "
+             "in flight (every engine)"]
     for t in summary["tiers"]:
         lines.append(f"  tier {t['path']} ({t['label']}{', qos cap' if t['emulated'] else ''}): "
                      f"read {t['read_bytes_per_s'] / gb:.2f} GB/s, write {t['write_bytes_per_s'] / gb:.2f} GB/s, "
@@ -475,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--paths: {spec.path} is not a directory")
     args.host_cache = parse_size(str(args.host_cache_bytes), "--host-cache-bytes")
     calib = parse_size(str(args.calib_bytes), "--calib-bytes")
+    args.io_block_bytes, args.io_queue_depth = io_geometry(args)
     for flag, value in (("--num-params", args.num_params), ("--subgroup-params", args.subgroup_params),
                         ("--ranks", args.ranks), ("--steps", args.steps)):
         if value <= 0:
@@ -484,11 +493,13 @@ def main(argv: list[str] | None = None) -> int:
     runtime = tempfile.TemporaryDirectory(prefix="mlp-bench-tokens-")
     args.runtime_dir = runtime.name
     try:
-        bandwidth = [measure_tier(spec, calib, args.backend, 1 << 20, 8) for spec in tiers]
+        bandwidth = [measure_tier(spec, calib, args.backend, args.io_block_bytes, args.io_queue_depth)
+                     for spec in tiers]
         if not args.no_interference:
             for spec, bw in zip(tiers, bandwidth):
                 if spec.qos_bytes_per_s is None:   # an emulated tier runs at its cap whatever the cores do
-                    bw["alongside_adam"] = alongside_adam(spec.path, calib, args.backend)
+                    bw["alongside_adam"] = alongside_adam(spec.path, calib, args.backend, args.io_block_bytes,
+                                                          args.io_queue_depth)
         # MLP-Offload's placement gets the bandwidths measured just now (as calibration would).
         measured = tuple(TierSpec(path=s.path, read_bytes_per_s=bw["read_bytes_per_s"],
                                   write_bytes_per_s=bw["write_bytes_per_s"], capacity_bytes=s.capacity_bytes,

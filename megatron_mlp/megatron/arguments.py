@@ -73,8 +73,8 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "updated last are still cached) or 'ascending'.")
     g.add_argument("--mlp-offload-io-backend", type=str, default="auto", choices=BACKENDS,
                    help="I/O backend: 'auto' picks io_uring where the kernel allows it, else threads.")
-    g.add_argument("--mlp-offload-io-block-size", type=str, default="1MiB", metavar="SIZE",
-                   help="Bytes per I/O task, a multiple of 4096 (e.g. 1MiB, 2MiB).")
+    g.add_argument("--mlp-offload-io-block-size", type=str, default="8MiB", metavar="SIZE",
+                   help="Bytes per I/O task, a multiple of 4096 (e.g. 1MiB, 8MiB).")
     g.add_argument("--mlp-offload-io-queue-depth", type=int, default=_DEFAULTS["queue_depth"], metavar="N",
                    help="I/O tasks in flight per engine.")
     g.add_argument("--mlp-offload-io-threads", type=int, default=_DEFAULTS["io_threads"], metavar="N",

@@ -25,6 +25,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, fields
 
+from megatron_mlp.config import DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEUE_DEPTH
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier.device import device_info
 from megatron_mlp.tier.spec import TierSpec
@@ -274,8 +275,9 @@ def classify_shared_rw(size_bytes: int, read_bytes_per_s: float, write_bytes_per
     return abs(math.log(mixed_seconds / t_shared)) <= abs(math.log(mixed_seconds / t_separate))
 
 
-def measure_path(path: str, size_bytes: int = DEFAULT_SIZE_BYTES, procs: int = 4, block_bytes: int = 1 << 20,
-                 queue_depth: int = 8, chunk_bytes: int = 64 << 20) -> PathCalibration:
+def measure_path(path: str, size_bytes: int = DEFAULT_SIZE_BYTES, procs: int = 4,
+                 block_bytes: int = DEFAULT_IO_BLOCK_BYTES, queue_depth: int = DEFAULT_IO_QUEUE_DEPTH,
+                 chunk_bytes: int = 64 << 20) -> PathCalibration:
     """Measure one path (see the module docstring). Needs the C++ engine.
 
     Raises:

@@ -46,10 +46,25 @@ def test_the_text_output_has_a_row_per_condition(disk_dir, capsys):
     (["--bytes", "100"], "--bytes"),
     (["--repeats", "0"], "--repeats"),
     (["--array-bytes", "lots"], "--array-bytes"),
+    (["--io-block-size", "1000"], "--io-block-size"),
+    (["--io-queue-depth", "0"], "--io-queue-depth"),
 ])
 def test_bad_input_names_the_flag(disk_dir, capsys, argv, flag):
     assert cli_main(["bench", "interference", "--path", disk_dir, *argv]) == 2
     assert flag in capsys.readouterr().err
+
+
+def test_a_pass_request_alone_fills_the_engine_queue_so_passes_drive_a_tier_as_deep_as_a_step():
+    assert interference.pass_request_bytes(8 << 20, 32, 1 << 30) == 256 << 20
+    assert interference.pass_request_bytes(1 << 20, 8, 1 << 30) == 64 << 20, "never below 64 MiB"
+    assert interference.pass_request_bytes(8 << 20, 32, (100 << 20) + 5) == 100 << 20, "at most the pass"
+
+
+def test_the_geometry_of_the_flags_is_reported(disk_dir, capsys):
+    assert cli_main(["bench", "interference", "--path", disk_dir, "--bytes", "4MiB", "--repeats", "1",
+                     "--loads", "cpu", "--io-block-size", "256KiB", "--io-queue-depth", "4", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["io_block_bytes"], r["io_queue_depth"]) == (256 << 10, 4)
 
 
 def test_a_missing_path_names_the_flag_and_the_path(tmp_path, capsys):

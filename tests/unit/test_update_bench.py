@@ -58,6 +58,34 @@ def test_bench_update_reports_baseline_mlp_ablation_and_bounds_when_run_tiny(cap
     assert leftovers == [], f"bench left files behind: {leftovers}"
 
 
+def test_every_engine_of_a_bench_update_run_uses_the_io_geometry_of_its_flags(capsys, monkeypatch, disk_dir):
+    # The bound is only a bound for the step if the bandwidth pass drives the tier as the step
+    # does, and the baseline only comparable if it gets the same engine.
+    from megatron_mlp.engine.engine import Engine
+
+    built = []
+    original = Engine.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        built.append((self.block_bytes, self.queue_depth))
+
+    monkeypatch.setattr(Engine, "__init__", recording_init)
+    s = run_json(capsys, "--paths", disk_dir, "--num-params", "300000", "--subgroup-params", "50000",
+                 "--calib-bytes", "4MB", "--steps", "2", "--no-ablation", "--no-interference",
+                 "--io-block-size", "64KiB", "--io-queue-depth", "4")
+    assert s["config"]["io_block_bytes"] == 64 << 10 and s["config"]["io_queue_depth"] == 4
+    assert len(built) >= 4, "bandwidth pass (2), baseline (1) and MLP-Offload (1 or more)"
+    assert set(built) == {(64 << 10, 4)}
+
+
+@pytest.mark.parametrize("flag, value", [("--io-block-size", "5000"), ("--io-block-size", "2GiB"),
+                                         ("--io-queue-depth", "0")])
+def test_bench_update_rejects_a_bad_io_geometry_naming_the_flag(disk_dir, flag, value):
+    with pytest.raises(ConfigError, match=flag):
+        update.main(["--paths", disk_dir, "--num-params", "1000", flag, value])
+
+
 def test_bench_update_rejects_a_missing_path_naming_the_flag(disk_dir):
     with pytest.raises(ConfigError, match="--paths"):
         update.main(["--paths", os.path.join(disk_dir, "nope"), "--num-params", "1000"])

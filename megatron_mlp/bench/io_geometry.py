@@ -1,0 +1,37 @@
+"""The ``--io-block-size`` / ``--io-queue-depth`` flags of the benches that drive the engine.
+
+Every engine of one bench run gets the same geometry (bandwidth passes, the baseline, MLP-Offload),
+by default the optimizer's own (``--mlp-offload-io-block-size`` / ``-queue-depth``), so that a
+bound or a ratio never mixes a tier measured one way with a tier driven another.
+"""
+from __future__ import annotations
+
+import argparse
+
+from megatron_mlp.config import DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEUE_DEPTH
+from megatron_mlp.errors import ConfigError
+from megatron_mlp.tier.spec import parse_size
+
+
+def add_io_geometry_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--io-block-size", default=f"{DEFAULT_IO_BLOCK_BYTES >> 20}MiB",
+                   help="bytes per I/O task of every engine of the run, a multiple of 4096 "
+                        f"(default {DEFAULT_IO_BLOCK_BYTES >> 20}MiB, as --mlp-offload-io-block-size)")
+    p.add_argument("--io-queue-depth", type=int, default=DEFAULT_IO_QUEUE_DEPTH,
+                   help=f"I/O tasks in flight per engine (default {DEFAULT_IO_QUEUE_DEPTH}, "
+                        "as --mlp-offload-io-queue-depth)")
+
+
+def io_geometry(args) -> tuple[int, int]:
+    """(block_bytes, queue_depth) from the parsed flags.
+
+    Raises:
+        ConfigError: naming the flag and its value.
+    """
+    block = parse_size(str(args.io_block_size), "--io-block-size")
+    if block <= 0 or block % 4096 or block > 1 << 30:
+        raise ConfigError(f"--io-block-size: {args.io_block_size} must be a positive multiple of 4096 bytes, "
+                          "at most 1GiB")
+    if not 1 <= args.io_queue_depth <= 4096:
+        raise ConfigError(f"--io-queue-depth: {args.io_queue_depth} must be in [1, 4096]")
+    return block, args.io_queue_depth
