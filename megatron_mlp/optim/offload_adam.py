@@ -39,7 +39,7 @@ import torch
 from megatron_mlp.errors import ConfigError, TierFailure, TierIOError
 from megatron_mlp.optim.failover import FailoverStats, take_out_of_service
 from megatron_mlp.optim.host_pool import HostBufferPool
-from megatron_mlp.optim.placement import assign_subgroups, warm_subgroups
+from megatron_mlp.optim.placement import assign_subgroups, placement_tiers, warm_subgroups
 from megatron_mlp.optim.schedule import cache_slots, iteration_order, kept_in_cache
 from megatron_mlp.optim.stats import StepStats, TierStepStats
 from megatron_mlp.optim.store import TierStore
@@ -94,6 +94,7 @@ class OffloadAdam:
         self.flush_errors: list[str] = []
 
         self.tier_of = assign_subgroups(self.plan, config, ranks_per_node)
+        self._placement_tiers = placement_tiers(config, ranks_per_node)   # bandwidths, for the schedule
         engine_factory = engine_factory or _default_engine_factory(config)
         token_factory = token_factory or _default_token_factory(config)
         job = str(config.extra.get("job_id", "job"))
@@ -375,7 +376,7 @@ class OffloadAdam:
                     store = self._store_of[self.tier_of[idx]]
                     fetching[idx] = (store.fetch(plan[idx], buf), buf)
                 self._reap(flushing, errors, block=False)
-                pick = self._first_ready(remaining, fetching)
+                pick = self._first_ready(remaining, fetching, flushing, keep)
                 if pick is None:
                     t0 = time.perf_counter()
                     waitables = [f for f, _ in fetching.values()] + list(flushing)
@@ -470,14 +471,48 @@ class OffloadAdam:
                 return idx
         return first
 
-    def _first_ready(self, remaining, fetching):
-        """Earliest subgroup of the order that can be computed now (resident or fetched)."""
+    def _first_ready(self, remaining, fetching, flushing, keep):
+        """The subgroup to compute next, of those ready (resident, or fetched).
+
+        The earliest of the order, unless a ready subgroup to be written back lives on a tier whose
+        lane is idle: then that one, so its tier starts moving bytes at once (at a step's start all
+        tiers are idle while the first kernel runs). Several idle tiers: the one with the most I/O
+        time left in this step goes first, as it bounds the step. The order of independent
+        subgroups does not change the result; the cache keeps the subgroups it chose by order.
+        """
+        ready = [i for i in remaining if i in self._resident or (i in fetching and fetching[i][0].done())]
+        if not ready:
+            return None
+        busy = {id(store) for _, store, _ in flushing.values()}
+        for idx, (fut, _) in fetching.items():
+            store = self._store_of[self.tier_of[idx]]
+            if not fut.done() and not store.split_lanes:   # a read in flight occupies a one-lane tier
+                busy.add(id(store))
+        idle = [i for i in ready if i not in keep and id(self._store_of[self.tier_of[i]]) not in busy]
+        if not idle:
+            return ready[0]
+        if len({self.tier_of[i] for i in idle}) == 1:
+            return idle[0]
+        left = self._io_seconds_left(remaining, fetching, keep)
+        return max(idle, key=lambda i: left[self.tier_of[i]])   # max keeps the earliest of equals
+
+    def _io_seconds_left(self, remaining, fetching, keep) -> dict[int, float]:
+        """Per tier, the time its bandwidth needs for this step's reads and write-backs still to do."""
+        reads: dict[int, int] = {}
+        writes: dict[int, int] = {}
         for idx in remaining:
-            if idx in self._resident:
-                return idx
-            if idx in fetching and fetching[idx][0].done():
-                return idx
-        return None
+            t, nbytes = self.tier_of[idx], self.plan[idx].region_bytes
+            if idx not in self._resident and idx not in fetching:
+                reads[t] = reads.get(t, 0) + nbytes
+            if idx not in keep:
+                writes[t] = writes.get(t, 0) + nbytes
+        left = {}
+        for t in set(reads) | set(writes):
+            tier = self._placement_tiers[t]
+            r = reads.get(t, 0) / tier.read_bytes_per_s
+            w = writes.get(t, 0) / tier.write_bytes_per_s
+            left[t] = r + w if tier.shared_rw_limit else max(r, w)
+        return left
 
     def _reap(self, flushing, errors, block):
         if not flushing:
