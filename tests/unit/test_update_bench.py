@@ -86,6 +86,20 @@ def test_bench_update_rejects_a_bad_io_geometry_naming_the_flag(disk_dir, flag, 
         update.main(["--paths", disk_dir, "--num-params", "1000", flag, value])
 
 
+def test_bench_update_refuses_a_bandwidth_pass_that_does_not_fit_naming_the_flag(disk_dir):
+    with pytest.raises(ConfigError, match="--calib-bytes"):
+        update.main(["--paths", disk_dir, "--num-params", "1000", "--calib-bytes", "1000TB"])
+
+
+def test_an_emulated_tier_is_measured_for_one_second_of_its_cap_and_a_real_one_for_the_whole_pass():
+    from megatron_mlp.tier.spec import parse_tier_paths
+
+    real, emulated = parse_tier_paths("/r;/e:qos=1GB/s", flag="--paths")
+    assert update.calib_bytes(real, 4 * 10**9) == 4 * 10**9
+    assert update.calib_bytes(emulated, 4 * 10**9) == 10**9
+    assert update.calib_bytes(emulated, 8 << 20) == 8 << 20
+
+
 def test_bench_update_rejects_a_missing_path_naming_the_flag(disk_dir):
     with pytest.raises(ConfigError, match="--paths"):
         update.main(["--paths", os.path.join(disk_dir, "nope"), "--num-params", "1000"])
