@@ -13,14 +13,18 @@ from megatron_mlp.optim.offload_adam import OffloadAdam
 from megatron_mlp.optim.reference_adam import ReferenceAdamW
 
 
-@pytest.fixture
-def two_tier_opt(disk_dir):
+def two_tier_config(disk_dir, host_cache_bytes: int) -> MLPOffloadConfig:
+    """A fast and a slow tier, subgroups of 1000 elements."""
     fast_dir, slow_dir = os.path.join(disk_dir, "fast"), os.path.join(disk_dir, "slow")
     os.mkdir(fast_dir)
     os.mkdir(slow_dir)
-    config = MLPOffloadConfig.from_paths(f"{fast_dir}:bw=4GB/s;{slow_dir}:bw=1GB/s", subgroup_params=1000,
-                                         host_cache_bytes=0, use_tokens=False)
-    opt = OffloadAdam(config, [(0, 8000)], [{"lr": 1e-2}], torch.zeros(8000))
+    return MLPOffloadConfig.from_paths(f"{fast_dir}:bw=4GB/s;{slow_dir}:bw=1GB/s", subgroup_params=1000,
+                                       host_cache_bytes=host_cache_bytes, use_tokens=False)
+
+
+@pytest.fixture
+def two_tier_opt(disk_dir):
+    opt = OffloadAdam(two_tier_config(disk_dir, 0), [(0, 8000)], [{"lr": 1e-2}], torch.zeros(8000))
     saved = dict(opt._resident)
     yield opt
     opt._resident = saved
@@ -82,13 +86,8 @@ def test_a_fetch_not_yet_done_is_not_ready(two_tier_opt):
 
 
 def test_steps_that_start_with_the_bottleneck_tier_compute_what_the_reference_computes(disk_dir):
-    fast_dir, slow_dir = os.path.join(disk_dir, "fast"), os.path.join(disk_dir, "slow")
-    os.mkdir(fast_dir)
-    os.mkdir(slow_dir)
-    config = MLPOffloadConfig.from_paths(f"{fast_dir}:bw=4GB/s;{slow_dir}:bw=1GB/s", subgroup_params=1000,
-                                         host_cache_bytes=30000, use_tokens=False)
     init = torch.randn(8000, generator=torch.Generator().manual_seed(5))
-    opt = OffloadAdam(config, [(0, 8000)], [{"lr": 1e-2}], init)
+    opt = OffloadAdam(two_tier_config(disk_dir, 30000), [(0, 8000)], [{"lr": 1e-2}], init)
     ref = ReferenceAdamW([(0, 8000)], [{"lr": 1e-2}], init)
     gen = torch.Generator().manual_seed(6)
     try:
