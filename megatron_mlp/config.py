@@ -54,6 +54,9 @@ class MLPOffloadConfig:
     io_threads: int = DEFAULT_IO_QUEUE_DEPTH
     """--mlp-offload-io-threads: workers of the thread-pool backend (as many as the queue depth, so
     every queued task can be in flight when io_uring is unavailable)."""
+    adam_threads: int = 0
+    """--mlp-offload-adam-threads: threads of the fused Adam kernel. 0: every core this process may
+    run on while no tier I/O is in flight, one fewer while some is (the I/O path needs a core)."""
     calibration: str = "auto"
     """--mlp-offload-calibration: 'auto' (measure once per node, cached), 'off', or a JSON file."""
     runtime_dir: str | None = None
@@ -94,6 +97,7 @@ class MLPOffloadConfig:
         _positive("--mlp-offload-tokens-per-tier", self.tokens_per_tier)
         _positive("--mlp-offload-io-queue-depth", self.queue_depth)
         _positive("--mlp-offload-io-threads", self.io_threads)
+        _non_negative("--mlp-offload-adam-threads", self.adam_threads)
         if isinstance(self.io_timeout_s, bool) or not isinstance(self.io_timeout_s, (int, float)) \
                 or not 0 < self.io_timeout_s < float("inf"):
             raise ConfigError(f"--mlp-offload-io-timeout: {self.io_timeout_s!r} must be a positive number of seconds")

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "tier's passes are at most one second of its cap)")
     p.add_argument("--backend", default="auto", choices=("auto", "io_uring", "threads"))
     add_io_geometry_args(p)
+    p.add_argument("--adam-threads", type=int, default=0,
+                   help="threads of the fused Adam kernel, on both sides (default 0: every core while no I/O is "
+                        "in flight, one fewer while some is, as --mlp-offload-adam-threads)")
     p.add_argument("--no-ablation", action="store_true", help="only the baseline and MLP-Offload")
     p.add_argument("--no-interference", action="store_true",
                    help="skip measuring each real tier alongside the Adam kernel (bench interference)")
@@ -260,7 +263,7 @@ def _config(args, tiers, **overrides):
                             host_cache_bytes=args.host_cache, prefetch_depth=args.prefetch_depth,
                             flush_depth=args.flush_depth, backend=args.backend, block_bytes=args.io_block_bytes,
                             queue_depth=args.io_queue_depth, io_threads=args.io_queue_depth,
-                            runtime_dir=args.runtime_dir, **overrides)
+                            adam_threads=args.adam_threads, runtime_dir=args.runtime_dir, **overrides)
 
 
 def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
@@ -285,7 +288,7 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
                  num_threads=args.io_queue_depth,
                  read_limit_bytes_per_s=int(tiers[0].qos_bytes_per_s or 0),
                  write_limit_bytes_per_s=int(tiers[0].qos_bytes_per_s or 0))
-    base = ZeroStyleOffload(tiers[0].path, numel, args.subgroup_params, eng)
+    base = ZeroStyleOffload(tiers[0].path, numel, args.subgroup_params, eng, adam_threads=args.adam_threads)
     steps, backward = [], []
     try:
         for _ in range(args.steps):
@@ -414,7 +417,8 @@ def summarize(args, tiers, bandwidth, results) -> dict:
                    "host_cache_bytes": args.host_cache, "prefetch_depth": args.prefetch_depth,
                    "flush_depth": args.flush_depth, "ranks": args.ranks, "steps": args.steps,
                    "grad_dtype": args.grad_dtype, "backend": args.backend,
-                   "io_block_bytes": args.io_block_bytes, "io_queue_depth": args.io_queue_depth},
+                   "io_block_bytes": args.io_block_bytes, "io_queue_depth": args.io_queue_depth,
+                   "adam_threads": args.adam_threads},
         "tiers": tier_rows,
         "emulated_paths": [row["path"] for row in tier_rows if row["emulated"]],
         "baseline_s": baseline_s, "baseline_min_s": base_min, "baseline_max_s": base_max,
@@ -452,7 +456,9 @@ def _text(summary) -> str:
              f"{summary['config']['subgroup_params']:,}, host cache {summary['config']['host_cache_bytes'] / gb:.2f} GB, "
              f"{summary['config']['ranks']} rank(s), grads {summary['config']['grad_dtype']}, "
              f"I/O tasks of {summary['config']['io_block_bytes'] / 2**20:g} MiB x{summary['config']['io_queue_depth']} "
-             "in flight (every engine)"]
+             "in flight (every engine), Adam kernel on "
+             + (f"{summary['config']['adam_threads']} thread(s)" if summary['config'].get('adam_threads')
+                else "every core, one fewer beside I/O") + " (both sides)"]
     for t in summary["tiers"]:
         lines.append(f"  tier {t['path']} ({t['label']}{', qos cap' if t['emulated'] else ''}): "
                      f"read {t['read_bytes_per_s'] / gb:.2f} GB/s, write {t['write_bytes_per_s'] / gb:.2f} GB/s, "
@@ -506,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
                         ("--ranks", args.ranks), ("--steps", args.steps)):
         if value <= 0:
             raise ConfigError(f"{flag}: {value} must be positive")
+    if args.adam_threads < 0:
+        raise ConfigError(f"--adam-threads: {args.adam_threads} must be 0 (automatic) or a thread count")
     if args.num_params // args.ranks <= 0:
         raise ConfigError(f"--num-params: {args.num_params} is fewer than one per rank (--ranks {args.ranks})")
     runtime = tempfile.TemporaryDirectory(prefix="mlp-bench-tokens-")

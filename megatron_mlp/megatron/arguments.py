@@ -80,6 +80,9 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--mlp-offload-io-threads", type=int, default=_DEFAULTS["io_threads"], metavar="N",
                    help="Worker threads of the thread-pool I/O backend (as many as the queue depth, so every "
                         "queued task can be in flight when io_uring is unavailable).")
+    g.add_argument("--mlp-offload-adam-threads", type=int, default=_DEFAULTS["adam_threads"], metavar="N",
+                   help="Threads of the fused CPU Adam kernel. 0: every core the rank may run on while no "
+                        "tier I/O is in flight, one fewer while some is (the I/O path needs a core).")
     g.add_argument("--mlp-offload-calibration", type=str, default="auto", metavar="auto|off|FILE",
                    help="Tier bandwidths: 'auto' measures once per node and caches the result "
                         "(megatron-mlp calibrate), 'off' uses bw= options or equal shares, "
@@ -202,6 +205,7 @@ def config_from_args(args) -> MLPOffloadConfig | None:
         block_bytes=_size(args, "mlp_offload_io_block_size", "--mlp-offload-io-block-size"),
         queue_depth=args.mlp_offload_io_queue_depth,
         io_threads=args.mlp_offload_io_threads,
+        adam_threads=args.mlp_offload_adam_threads,
         calibration=_check_calibration(args.mlp_offload_calibration),
         runtime_dir=runtime_dir,
         io_timeout_s=getattr(args, "mlp_offload_io_timeout", 300.0),

@@ -11,6 +11,9 @@ compares *policies* with the same engine quality:
   (DeepSpeed's pipelined optimizer swapper);
 * no host cache, no node-level arbitration, one path.
 
+Its kernel calls follow the same thread rule as MLP-Offload's (``threads_beside_io``: one core
+left to the I/O path while a request is in flight), so the comparison stays one of policies.
+
 Benchmark-only: it keeps no checksums and overwrites in place, as its model does.
 """
 from __future__ import annotations
@@ -32,12 +35,15 @@ class ZeroStyleOffload:
         numel, subgroup_params: shard size and DeepSpeed's ``sub_group_size``.
         engine: an ``Engine`` (same backend / block size / queue depth as MLP-Offload's).
         lr...: AdamW hyper-parameters (one param group).
+        adam_threads: kernel threads, as ``--mlp-offload-adam-threads`` (0: the rule of
+            ``threads_beside_io``).
     """
 
     def __init__(self, path: str, numel: int, subgroup_params: int, engine, *, lr=1e-3, betas=(0.9, 0.999),
-                 eps=1e-8, weight_decay=0.0, initial_params: torch.Tensor | None = None):
+                 eps=1e-8, weight_decay=0.0, initial_params: torch.Tensor | None = None, adam_threads: int = 0):
         self.plan = SubgroupPlan([(0, numel)], subgroup_params)
         self.engine = engine
+        self.adam_threads = adam_threads
         self.hyper = dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
         self.step_count = 0
         self.dir = tempfile.mkdtemp(prefix="mlp-offload-zero3-", dir=path)
@@ -85,11 +91,12 @@ class ZeroStyleOffload:
 
     def step(self, params_out: torch.Tensor | None = None) -> float:
         """The update phase: returns its seconds (swap-in, Adam, swap-out; pipelined)."""
-        from megatron_mlp.optim.fused_adam import fused_adam_step
+        from megatron_mlp.optim.fused_adam import fused_adam_step, threads_beside_io
 
         t0 = time.perf_counter()
         self.step_count += 1
         compute = 0.0
+        beside_io = 0
         sgs = list(self.plan)
         reads = [None, None]
         writes = [None, None]
@@ -115,9 +122,13 @@ class ZeroStyleOffload:
             f = self.bufs[k].torch(torch.float32)
             n, pn = sg.numel, sg.padded_numel
             out = params_out[sg.start:sg.end] if params_out is not None else None
+            pending = [r for pair in reads if pair is not None for r in pair] + [w for w in writes if w is not None]
+            io_busy = any(not r.done() for r in pending)
+            beside_io += io_busy
             c0 = time.perf_counter()
             fused_adam_step(f[0:n], f[pn:pn + n], f[2 * pn:2 * pn + n], self.gbufs[k].torch(torch.float32)[:n], out,
-                            step=self.step_count, **self.hyper)
+                            step=self.step_count, num_threads=threads_beside_io(io_busy, self.adam_threads),
+                            **self.hyper)
             compute += time.perf_counter() - c0
             writes[k] = self.engine.write(self.state_file, self.bufs[k].torch(torch.uint8)[:sg.region_bytes],
                                           self.state_off[i])
@@ -126,7 +137,7 @@ class ZeroStyleOffload:
                 w.wait()
         elapsed = time.perf_counter() - t0
         bytes_read = sum(sg.region_bytes + _grad_bytes(sg) for sg in sgs)
-        self.last = {"step_s": elapsed, "compute_s": compute, "bytes_read": bytes_read,
+        self.last = {"step_s": elapsed, "compute_s": compute, "kernels_beside_io": beside_io, "bytes_read": bytes_read,
                      "bytes_written": sum(sg.region_bytes for sg in sgs)}
         return elapsed
 

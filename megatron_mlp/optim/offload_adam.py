@@ -350,6 +350,7 @@ class OffloadAdam:
 
     def _run_pipeline(self, order, keep, grads, params_out, hyper, inv_loss_scale, clip_coef,
                       on_subgroup_done, stats):
+        from megatron_mlp.optim.fused_adam import threads_beside_io
         plan, pool, resident = self.plan, self.pool, self._resident
         # Fetches in flight at once. Completed fetches waiting for the kernel do not count: the pool
         # (cache + prefetch + flush + 1 buffers) bounds the memory, and letting each tier's lane
@@ -414,11 +415,15 @@ class OffloadAdam:
                         else:
                             pool.release(buf)
                         raise
+                # While a tier moves data the kernel leaves a core to the I/O path (threads_beside_io).
+                io_busy = any(not f.done() for f, _ in fetching.values()) or any(not f.done() for f in flushing)
+                stats.kernels_beside_io += io_busy
                 t0 = time.perf_counter()
                 # A region to be written back gets its crc32c from the kernel, which checksums each
                 # tile while it is in cache; a separate pass would stream it through memory again.
                 crc = self._update(sg, buf, grads, params_out, hyper[sg.group], inv_loss_scale, clip_coef, stats,
-                                   checksum=store.checksum and pick not in keep)
+                                   checksum=store.checksum and pick not in keep,
+                                   threads=threads_beside_io(io_busy, self.config.adam_threads))
                 stats.compute_s += time.perf_counter() - t0
                 stats.subgroups += 1
                 if on_subgroup_done is not None:
@@ -585,8 +590,9 @@ class OffloadAdam:
             self.pool.release(buf)
 
     def _update(self, sg: Subgroup, buf, grads, params_out, hyper, inv_loss_scale, clip_coef, stats,
-                checksum: bool = False) -> int | None:
-        """The fused AdamW step on ``sg`` in ``buf``; with ``checksum``, returns the region's crc32c."""
+                checksum: bool = False, threads: int = 0) -> int | None:
+        """The fused AdamW step on ``sg`` in ``buf`` on ``threads`` threads (0: the whole pool); with
+        ``checksum``, returns the region's crc32c."""
         from megatron_mlp.optim.checksum import region_crc32c
         from megatron_mlp.optim.fused_adam import fused_adam_step
         views = _views(sg, buf)
@@ -604,7 +610,8 @@ class OffloadAdam:
         crcs = fused_adam_step(views["param"], views["exp_avg"], views["exp_avg_sq"], grad, out,
                                lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
                                weight_decay=hyper["weight_decay"], step=hyper["step"],
-                               inv_loss_scale=float(inv_loss_scale), clip_coef=float(clip_coef), checksums=checksum)
+                               inv_loss_scale=float(inv_loss_scale), clip_coef=float(clip_coef), checksums=checksum,
+                               num_threads=threads)
         if not checksum:
             return None
         return region_crc32c(buf.torch(torch.uint8)[: sg.region_bytes], sg.numel * 4, sg.padded_numel * 4, crcs)

@@ -56,6 +56,7 @@ class StepStats:
     cache_hits: int = 0
     warm_hits: int = 0           # subgroups taken from a warm working buffer instead of a fetch
     subgroups: int = 0
+    kernels_beside_io: int = 0   # kernels run while a tier had I/O in flight (one core left to it)
     order: str = "ascending"
     skipped: bool = False
     peak_host_bytes: int = 0
@@ -67,7 +68,8 @@ class StepStats:
         return {
             "step_s": self.step_s, "compute_s": self.compute_s, "wait_s": self.wait_s,
             "drain_s": self.drain_s, "upcast_s": self.upcast_s, "cache_hits": self.cache_hits,
-            "warm_hits": self.warm_hits, "subgroups": self.subgroups, "order": self.order, "skipped": self.skipped,
+            "warm_hits": self.warm_hits, "subgroups": self.subgroups,
+            "kernels_beside_io": self.kernels_beside_io, "order": self.order, "skipped": self.skipped,
             "bytes_moved": moved, "gbps": moved / self.step_s / 1e9 if self.step_s > 0 else 0.0,
             "peak_host_bytes": self.peak_host_bytes, "host_limit_bytes": self.host_limit_bytes,
             "tiers": tiers,

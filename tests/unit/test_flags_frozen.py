@@ -17,6 +17,7 @@ FROZEN = {
     "--mlp-offload-io-block-size": "`8MiB`",
     "--mlp-offload-io-queue-depth": "`32`",
     "--mlp-offload-io-threads": "`32`",
+    "--mlp-offload-adam-threads": "`0`",
     "--mlp-offload-calibration": "`auto`",
     "--mlp-offload-runtime-dir": "(none)",
     "--mlp-offload-job-id": "(none)",

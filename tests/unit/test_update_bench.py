@@ -79,9 +79,29 @@ def test_every_engine_of_a_bench_update_run_uses_the_io_geometry_of_its_flags(ca
     assert set(built) == {(64 << 10, 4)}
 
 
+def test_adam_threads_of_a_bench_update_run_reach_both_sides(capsys, monkeypatch, disk_dir):
+    # A kernel thread count that helps or hurts must do so to the baseline as well.
+    import megatron_mlp.optim.fused_adam as fused_adam
+
+    threads = []
+    real = fused_adam.fused_adam_step
+
+    def recording(*args, num_threads=0, **kwargs):
+        threads.append(num_threads)
+        return real(*args, num_threads=num_threads, **kwargs)
+
+    monkeypatch.setattr(fused_adam, "fused_adam_step", recording)
+    s = run_json(capsys, "--paths", disk_dir, "--num-params", "300000", "--subgroup-params", "50000",
+                 "--calib-bytes", "4MB", "--steps", "2", "--no-ablation", "--no-interference", "--adam-threads", "1")
+    assert s["config"]["adam_threads"] == 1
+    subgroups = 300000 // 50000
+    assert len(threads) == 2 * 2 * subgroups, "two steps of the baseline and two of MLP-Offload"
+    assert set(threads) == {1}
+
+
 @pytest.mark.parametrize("flag, value", [("--io-block-size", "5000"), ("--io-block-size", "2GiB"),
-                                         ("--io-queue-depth", "0")])
-def test_bench_update_rejects_a_bad_io_geometry_naming_the_flag(disk_dir, flag, value):
+                                         ("--io-queue-depth", "0"), ("--adam-threads", "-1")])
+def test_bench_update_rejects_a_bad_io_geometry_or_thread_count_naming_the_flag(disk_dir, flag, value):
     with pytest.raises(ConfigError, match=flag):
         update.main(["--paths", disk_dir, "--num-params", "1000", flag, value])
 
