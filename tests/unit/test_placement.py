@@ -241,3 +241,50 @@ def test_explicit_cache_set_rejected_when_cache_model_is_alternate():
     with pytest.raises(ConfigError, match="alternate"):
         plan_placement([GB] * 4, None, [tier("/d", 1)], 1, host_cache_bytes=GB, cached_subgroups=[3],
                        cache_model="alternate")
+
+
+# -- the search finds the model's optimum where it can try every split ---------------------------
+
+def _time_of(tier_of, sizes, tiers, host_cache_bytes, warm):
+    """The model's step time of one given layout (alternating order)."""
+    from megatron_mlp.tier.placement import _cache_sets, _Model, _State, _as_pairs
+
+    pmoves, _, _ = _cache_sets(sizes, _as_pairs(None, sizes), host_cache_bytes, None, "alternate", warm)
+    st = _State(_Model(tiers, 1), pmoves, sizes)
+    for i, j in enumerate(tier_of):
+        st.put(i, j)
+    return max(st.times)
+
+
+def test_two_end_subgroups_move_together_when_no_single_move_or_swap_helps(monkeypatch):
+    # The done-criterion workload of bench update: 8 subgroups of 600 MB, a disk (3.26 / 5.81 GB/s,
+    # one limit) and an emulated 1 GB/s tier, one cached subgroup and five warm buffers. Greedy
+    # plus single moves and swaps stalled at 0.99 s with one subgroup on the slow tier; both
+    # ends there (each is read or written in only one iteration of two) take 0.80 s.
+    import megatron_mlp.tier.placement as placement
+
+    sg = 600_010_752
+    tiers = [tier("/disk", 3.26, 5.81, shared=True), tier("/pfs", 1)]
+    p = plan_placement([sg] * 8, None, tiers, 1, host_cache_bytes=sg, cache_model="alternate", warm_subgroups=5)
+    assert p.tier_of == (1, 0, 0, 0, 0, 0, 0, 1)
+    assert p.total_seconds == pytest.approx(p.lower_bound_seconds)
+    monkeypatch.setattr(placement, "_exact_by_kind", lambda *args, **kwargs: False)
+    local = plan_placement([sg] * 8, None, tiers, 1, host_cache_bytes=sg, cache_model="alternate", warm_subgroups=5)
+    assert local.total_seconds > 1.2 * p.total_seconds, "the local search alone stalls (the reason for the exact one)"
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_small_plans_are_the_best_of_every_possible_layout(seed):
+    import itertools
+
+    rng = random.Random(500 + seed)
+    ntiers = rng.choice([2, 3])
+    n = rng.randint(4, 8 if ntiers == 3 else 10)
+    tiers = [tier(f"/t{j}", rng.uniform(0.5, 8), rng.uniform(0.5, 8), shared=rng.random() < 0.5)
+             for j in range(ntiers)]
+    sizes = [rng.choice([GB, 2 * GB]) for _ in range(n)]
+    cache, warm = rng.randint(0, 2) * GB, rng.randint(0, 3)
+    p = plan_placement(sizes, None, tiers, 1, host_cache_bytes=cache, cache_model="alternate", warm_subgroups=warm)
+    best = min(_time_of(layout, sizes, tiers, cache, warm) for layout in itertools.product(range(ntiers), repeat=n))
+    assert p.total_seconds == pytest.approx(best, rel=1e-9)
+    assert _time_of(p.tier_of, sizes, tiers, cache, warm) == pytest.approx(p.total_seconds, rel=1e-12)
