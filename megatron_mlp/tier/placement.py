@@ -28,8 +28,10 @@ bytes, and the best layout may need two of them moved at once (8 subgroups on a 
 1 GB/s tier: 0.99 s where 0.80 s was possible). So when the subgroups fall into few *kinds* (the
 same bytes moved in every iteration and the same size: interchangeable for the model), every
 split of each kind's count over the tiers is tried, which is exact; only when the combinations
-are too many (thousands of subgroups of many kinds) does the local search decide alone. The lower bound is the fluid optimum: bytes are
-divisible and capacity respected, ``T* = min T  s.t.  sum_j min(rate_j * T, capacity_j) >= bytes``.
+are too many (thousands of subgroups of many kinds) does the local search decide alone.
+
+The lower bound is the fluid optimum: bytes are divisible and capacity respected,
+``T* = min T  s.t.  sum_j min(rate_j * T, capacity_j) >= bytes``.
 """
 from __future__ import annotations
 
@@ -570,11 +572,10 @@ def _exact_by_kind(st: _State, cost, tier_of, limit: int = _EXACT_LIMIT) -> bool
     for ((_, _), members), split in zip(groups, best):
         # Subgroups already on a tier that keeps some of this kind stay there; the others move.
         want = list(split)
-        staying, moving = [], []
+        moving = []
         for i in members:
             if want[tier_of[i]] > 0:
                 want[tier_of[i]] -= 1
-                staying.append(i)
             else:
                 moving.append(i)
         for i in moving:
