@@ -120,7 +120,7 @@ def threads_beside_io(io_in_flight: bool, requested: int = 0) -> int:
     while no I/O is in flight, and one thread fewer while some is. The I/O path needs a core of
     its own -- io_uring completions, the read checksums, the copies a page-cache or capped tier
     makes -- and a kernel holding every core delays it, which slows the storage the step is
-    waiting for. On the 2-core test machine the step of the done-criterion workload took 3.6 %
+    waiting for. On the 2-core test machine the step of the done-criterion workload took 3.5 %
     less time with one kernel thread beside the I/O than with two (38 paired steps, faster in 33).
     """
     if requested < 0:
