@@ -57,18 +57,10 @@ class SlowEngine:
 
 
 @pytest.fixture
-def kernel_calls(monkeypatch):
+def kernel_calls(kernel_threads_used, monkeypatch):
     """The ``num_threads`` of every fused Adam call, with a kernel pool of ``POOL`` threads."""
-    calls = []
-    real = fused_adam.fused_adam_step
-
-    def recording(*args, num_threads=0, **kwargs):
-        calls.append(num_threads)
-        return real(*args, num_threads=num_threads, **kwargs)
-
-    monkeypatch.setattr(fused_adam, "fused_adam_step", recording)
     monkeypatch.setattr(fused_adam, "num_kernel_threads", lambda: POOL)
-    return calls
+    return kernel_threads_used
 
 
 def grads(step: int) -> torch.Tensor:

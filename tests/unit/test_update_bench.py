@@ -79,18 +79,9 @@ def test_every_engine_of_a_bench_update_run_uses_the_io_geometry_of_its_flags(ca
     assert set(built) == {(64 << 10, 4)}
 
 
-def test_adam_threads_of_a_bench_update_run_reach_both_sides(capsys, monkeypatch, disk_dir):
+def test_adam_threads_of_a_bench_update_run_reach_both_sides(capsys, disk_dir, kernel_threads_used):
     # A kernel thread count that helps or hurts must do so to the baseline as well.
-    import megatron_mlp.optim.fused_adam as fused_adam
-
-    threads = []
-    real = fused_adam.fused_adam_step
-
-    def recording(*args, num_threads=0, **kwargs):
-        threads.append(num_threads)
-        return real(*args, num_threads=num_threads, **kwargs)
-
-    monkeypatch.setattr(fused_adam, "fused_adam_step", recording)
+    threads = kernel_threads_used
     s = run_json(capsys, "--paths", disk_dir, "--num-params", "300000", "--subgroup-params", "50000",
                  "--calib-bytes", "4MB", "--steps", "2", "--no-ablation", "--no-interference", "--adam-threads", "1")
     assert s["config"]["adam_threads"] == 1
