@@ -76,10 +76,11 @@ class MLPOffloadConfig:
     deferred_upcast: bool = True
     """--mlp-offload-no-deferred-upcast clears it: gradients converted to fp32 before the update."""
     warm_buffers: bool = True
-    """--mlp-offload-no-warm-buffers clears it: the pool's working buffers forget a subgroup once its
-    write-back is done. Set (with the alternating order), the buffers no fetch needed keep the
-    last subgroups written back, and the next step, which runs the other way, starts with them
-    without reading them: fewer bytes read, no extra host memory."""
+    """--mlp-offload-no-warm-buffers clears it: every subgroup outside the host cache is written back
+    in the step that updates it. Set (with the alternating order), the pool's working buffers cache
+    too: they keep the subgroups updated last, unwritten, and the next step, which runs the other
+    way, updates them first without reading them and writes one back only when a fetch needs its
+    buffer: fewer bytes read and written, no extra host memory."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """Free-form annotations (job id, ...); never read by the components."""
 

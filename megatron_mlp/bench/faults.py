@@ -181,12 +181,13 @@ class _Campaign:
         elif kind == "short_write":
             eng.inject_fault(nth=1, short=True, op="write")
         elif kind == "corrupt":
-            # A subgroup the next step reads from storage: not in host memory (cached or warm).
-            held = set(opt._resident) | set(opt._warm)
+            # A subgroup the next step reads from storage: not in host memory (the cache or the
+            # working buffers).
+            held = set(opt._resident)
             cands = [(i, s) for s in healthy for i, t in enumerate(opt.tier_of) if t == s.index and i not in held]
             if not cands:
                 from megatron_mlp.errors import ConfigError
-                raise ConfigError(f"--num-params: {opt.numel} params fit in host memory (cache and warm buffers), "
+                raise ConfigError(f"--num-params: {opt.numel} params fit in host memory (cache and working buffers), "
                                   f"so nothing is read back to find a corruption in; use more params")
             index, store = rng.choice(cands)
             sg = opt.plan[index]
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"steps": args.steps, "faults": args.faults_per_kind, "num_params": args.num_params,
             "subgroup_params": args.subgroup_params, "checkpoint_every": args.checkpoint_every,
             "io_timeout_s": 120.0, "host_cache_bytes": 12 * args.subgroup_params + 3 * 4096,
-            # A small working set, so that host memory (cache plus warm buffers) cannot hold every
+            # A small working set, so that host memory (cache plus working buffers) cannot hold every
             # subgroup and each step reads some back: that is where corruption must be caught.
             "prefetch_depth": 1, "flush_depth": 1}
     created_shm: list[str] = []

@@ -11,19 +11,19 @@ figures alike:
 3. the ablation, adding the design principles one at a time to the baseline: gradients kept in
    host memory (an fp32 copy, no gradient I/O: the first half of principle 4), multi-path
    placement, tier tokens, cache-friendly ordering, in-register upcast (no fp32 copy: the second
-   half of principle 4), warm working buffers (the subgroups written back last stay in the
-   pool's working buffers, and the next step, running the other way, uses them without a read)
-   -- the last row is MLP-Offload;
+   half of principle 4), working buffers as cache (the pool's working buffers keep the
+   subgroups updated last, unwritten, and the next step, running the other way, updates them first
+   without a read) -- the last row is MLP-Offload;
 4. the placement model's predicted I/O time and the I/O lower bound: the bytes MLP-Offload moved
    per step on each tier divided by that tier's bandwidth from (1) -- read time + write time on a
    tier whose reads and writes share one limit, the larger of the two (or their sum over the
    combined bandwidth, whichever is larger) on one where they do not;
-5. the policy floor and the speedup ceiling: the least time any schedule could need to write the
-   state outside the host cache, and read what the warm buffers do not hold, over these tiers
+5. the policy floor and the speedup ceiling: the least time any schedule could need to write and
+   read the state that the host cache and the working buffers cannot hold, over these tiers
    (``policy_floor``), and the baseline's time over it -- what no implementation of the policy
    could exceed in this run;
 6. the host memory each side holds: the baseline's double buffers, MLP-Offload's pool (cache plus
-   working buffers, the same memory whether the buffers stay warm or not).
+   working buffers, the same memory whether the buffers carry subgroups between steps or not).
 
 A path with ``qos=`` is an emulated slower tier (the engine's bandwidth cap) and is labelled so.
 Times are medians over the steps after the first (the first fills the host cache).
@@ -49,15 +49,15 @@ _OFF = dict(multipath=False, use_tokens=False, cache_order=False, deferred_upcas
 ABLATION = (
     # (name, config overrides) -- cumulative: each row adds one principle to the previous one. The
     # first row is the baseline minus its gradient round trip through storage (the first half of
-    # principle 4); the fifth adds the in-register upcast (its second half); the last adds the warm
-    # working buffers (principle 3 carried over to the pool's working set) and is MLP-Offload.
+    # principle 4); the fifth adds the in-register upcast (its second half); the last lets the
+    # working buffers cache too (principle 3 carried over to the pool's working set): MLP-Offload.
     ("+ grads kept in host memory (fp32 copy)", dict(_OFF)),
     ("+ multi-path placement", dict(_OFF, multipath=True)),
     ("+ tier tokens", dict(_OFF, multipath=True, use_tokens=True)),
     ("+ cache-friendly order", dict(_OFF, multipath=True, use_tokens=True, cache_order=True)),
     ("+ in-register upcast", dict(_OFF, multipath=True, use_tokens=True, cache_order=True, deferred_upcast=True)),
-    ("+ warm working buffers (= MLP-Offload)", dict(multipath=True, use_tokens=True, cache_order=True,
-                                                    deferred_upcast=True, warm_buffers=True)),
+    ("+ working buffers as cache (= MLP-Offload)", dict(multipath=True, use_tokens=True, cache_order=True,
+                                                        deferred_upcast=True, warm_buffers=True)),
 )
 
 
@@ -187,67 +187,21 @@ def io_time_bound(read_bytes: float, write_bytes: float, bw: dict) -> float:
     return min(serial, overlapped)
 
 
-def policy_floor(state_bytes: float, cache_bytes: float, bandwidth: list[dict], warm_bytes: float = 0.0) -> float:
+def policy_floor(state_bytes: float, host_bytes: float, bandwidth: list[dict]) -> float:
     """Least update time any schedule under MLP-Offload's byte policy could reach on these tiers.
 
-    Every byte of state outside the host cache is written once per step, and read once unless the
-    warm working buffers (``warm_bytes``) still hold it; nothing else moves (the alternating order
-    lets the cached bytes skip one read and one write). The floor lets the cache and the warm
-    buffers hold any fraction of a subgroup and splits the reads and the writes over the tiers as
-    a fluid -- each tier any share of each, a relaxation of "a subgroup is written back where it
-    was read" -- so no placement, subgroup size or pipeline can beat it, and
+    Every byte of state that the host (``host_bytes``: the cache and the working buffers carrying
+    subgroups into the next step) cannot hold is written once per step and read once; nothing else
+    moves (the alternating order lets the held bytes skip both). The floor lets the host hold any
+    fraction of a subgroup and spreads the bytes over the tiers as a fluid, each tier taking the
+    share it moves in the same time, so no placement, subgroup size or pipeline can beat it, and
     ``baseline_s / floor`` caps the speedup this run could show.
     """
-    writes = max(0.0, state_bytes - cache_bytes)
-    reads = max(0.0, writes - warm_bytes)
-    if not writes:
+    moved = max(0.0, state_bytes - host_bytes)
+    if not moved:
         return 0.0
-    if reads == writes:
-        # Same mix on every tier: bytes per second of "read once + write once" each sustains alone.
-        return writes / sum(1.0 / io_time_bound(1.0, 1.0, bw) for bw in bandwidth)
-    return _fluid_split_time(reads, writes, bandwidth)
-
-
-def _fluid_split_time(reads: float, writes: float, bandwidth: list[dict], grid: int = 400) -> float:
-    """min T such that the tiers can read ``reads`` and write ``writes`` bytes in T, each tier
-    taking any (r_j, w_j) with ``io_time_bound(r_j, w_j) <= T``.
-
-    Bisection on T; for a given T the most bytes the tiers can write while reading ``reads`` comes
-    from a max-plus convolution over a grid of read shares. Each tier's writes are evaluated one
-    grid step *below* its read share, so the grid errs on the fast side: the result stays a lower
-    bound (within ~1/grid of the exact one).
-    """
-    import numpy as np
-
-    step = reads / grid
-    units = np.arange(grid + 1)
-
-    def max_writes(bw, t, r):
-        rr, ww = bw["read_bytes_per_s"], bw["write_bytes_per_s"]
-        cc = bw["concurrent_bytes_per_s"]
-        fits = r <= rr * t
-        serial = ww * (t - r / rr)
-        overlapped = np.minimum(ww * t, cc * t - r)
-        return np.where(fits, np.maximum(np.maximum(serial, overlapped), 0.0), -np.inf)
-
-    def feasible(t):
-        best = np.full(grid + 1, -np.inf)
-        best[0] = 0.0
-        for bw in bandwidth:
-            tier = max_writes(bw, t, np.maximum(units - 1, 0) * step)
-            # best'[a] = max_b best[a - b] + tier[b]
-            table = best[None, :] + np.where(units[:, None] >= units[None, :],
-                                             tier[np.clip(units[:, None] - units[None, :], 0, grid)], -np.inf)
-            best = table.max(axis=1)
-        return best[grid] >= writes
-
-    lo, hi = 0.0, io_time_bound(reads, writes, bandwidth[0]) or 1.0   # the first tier alone does it all
-    while not feasible(hi):
-        hi *= 2
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
-    return hi
+    # Bytes per second of "read once + write once" each tier sustains alone, added up.
+    return moved / sum(1.0 / io_time_bound(1.0, 1.0, bw) for bw in bandwidth)
 
 
 # ----------------------------------------------------------------------------- one rank
@@ -405,9 +359,9 @@ def summarize(args, tiers, bandwidth, results) -> dict:
     config = _config(args, tiers)
     placement = plan_for(plan, config, args.ranks)
     # Bytes of state over all ranks (fp32 params, exp_avg, exp_avg_sq) and of their host caches.
-    # The warm buffers of MLP-Offload's configuration: whole subgroups the working set holds over.
+    # MLP-Offload's working buffers: whole subgroups they carry into the next step, as the cache does.
     warm_bytes = warm_subgroups(config) * plan.max_region_bytes * args.ranks
-    floor_s = policy_floor(12.0 * args.num_params, float(args.host_cache) * args.ranks, bandwidth, warm_bytes)
+    floor_s = policy_floor(12.0 * args.num_params, float(args.host_cache) * args.ranks + warm_bytes, bandwidth)
     base_last = results[0]["baseline"]["last"]
     mlp_last = last_stats[0][-1]
     return {
@@ -474,7 +428,7 @@ def _text(summary) -> str:
     lines.append(f"ZeRO-3-style baseline: update {summary['baseline_s']:.2f} s "
                  f"(+ {summary['baseline_backward_grad_write_s']:.2f} s writing fp32 grads in backward)")
     for a in summary["ablation"]:
-        lines.append(f"  {a['name']:<40} {a['seconds']:7.2f} s  ({a['speedup']:.2f}x)")
+        lines.append(f"  {a['name']:<42} {a['seconds']:7.2f} s  ({a['speedup']:.2f}x)")
     if summary["mlp_no_checksum_s"] is not None:
         lines.append(f"  (MLP-Offload without checksums: {summary['mlp_no_checksum_s']:.2f} s; crc32c threads "
                      f"busy {summary['mlp_checksum_thread_s']:.2f} s per step, overlapped with I/O)")
@@ -483,11 +437,11 @@ def _text(summary) -> str:
                  f"placement model predicted {summary['predicted_s']:.2f} s")
     if summary["speedup_ceiling"] is not None:
         lines.append(f"ceiling: no schedule under this byte policy beats {summary['policy_floor_s']:.2f} s on these "
-                     f"bandwidths (cache and warm buffers used to the byte, a fluid split), so "
+                     f"bandwidths (cache and working buffers used to the byte, a fluid split), so "
                      f"{summary['speedup_ceiling']:.2f}x is the largest speedup this run could show")
     lines.append(f"host memory, all ranks: baseline {summary['baseline_host_bytes'] / gb:.2f} GB (double buffers), "
                  f"MLP-Offload {summary['mlp_host_bytes'] / gb:.2f} GB (cache + working buffers; "
-                 f"{summary['mlp_warm_bytes'] / gb:.2f} GB of the latter stay warm between steps)")
+                 f"{summary['mlp_warm_bytes'] / gb:.2f} GB of the latter carry subgroups between steps)")
     if summary["emulated_paths"]:
         lines.append(f"note: {', '.join(summary['emulated_paths'])} emulated (engine bandwidth cap), not a real tier")
     return "\n".join(lines)

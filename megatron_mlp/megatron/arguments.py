@@ -114,8 +114,9 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "(as ZeRO-3 does) instead of upcasting inside the Adam kernel.")
     g.add_argument("--mlp-offload-no-warm-buffers", dest="mlp_offload_warm_buffers",
                    action="store_false", default=True,
-                   help="Ablation: working buffers forget a subgroup once it is written back, so the "
-                        "next step reads it again (by default the last ones written back are reused).")
+                   help="Ablation: write back every subgroup outside the host cache in the step that "
+                        "updates it (by default the working buffers keep the ones updated last, unwritten, "
+                        "for the next step, which updates them first).")
     g.add_argument("--mlp-offload-cpu", action="store_true", default=False,
                    help=f"Smoke runs without a GPU: map CUDA onto the CPU (gloo) before Megatron is "
                         f"imported. Same as {ENV_CPU}=1. Use with --transformer-impl local --mock-data "

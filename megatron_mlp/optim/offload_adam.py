@@ -15,11 +15,15 @@ Fetches run ``prefetch_depth`` subgroups ahead and flushes complete lazily, so t
 tier overlaps the kernel; the compute thread always takes the earliest subgroup of the order that
 is ready, so a tier whose token is held by another rank delays only its own subgroups.
 
-Warm buffers (``warm_buffers``, with the alternating order): a working buffer whose write-back is
-done keeps its subgroup until a fetch needs the buffer. At the end of a step the buffers no fetch
-needed hold the last subgroups written back, which the next step, running the other way, takes
-first: it uses them as they are instead of reading them again. Such a copy is used only while it
-is provably the current state (same tier, same record generation as when it was written).
+Working buffers as cache (``warm_buffers``, with the alternating order): at the end of a step the
+pool's working buffers keep the subgroups updated last, *not written back*, as the host cache does.
+The next step, running the other way, updates them first without reading them, and writes one back
+only when a fetch needs its buffer. So the whole pool (cache and working buffers) carries subgroups
+from one step to the next, and a step reads and writes only the subgroups that do not fit in it:
+with 8 subgroups and a pool of 6, two reads and two writes per step, where writing back every
+subgroup outside the cache took seven writes. Each update is written back at most once, and nothing
+is lost: a subgroup held this way is written (to its free slot) before its buffer is reused, and
+stays in host memory if that write fails.
 
 Framework-agnostic: plain CPU torch tensors in, nothing Megatron-specific (see megatron/ for that).
 """
@@ -130,12 +134,12 @@ class OffloadAdam:
                                    self.cache_slots + self.working_buffers)
         # subgroup index -> host buffer whose content is newer than (or as new as) storage.
         self._resident: dict[int, object] = {}
-        # subgroup index -> (buffer, store, generation): a copy equal to the record written from it
-        # (see the module doc, warm buffers).
-        self._warm: dict[int, tuple] = {}
-        self._warm_adopted: set[int] = set()
         self._order_pos: dict[int, int] = {}   # subgroup -> position in the last step's order
+        # Subgroups a step keeps in host memory for the next: the cache's, and with the working
+        # buffers as cache (module doc) theirs too -- the whole pool.
         self.uses_warm_buffers = warm_subgroups(config) > 0
+        self.keep_slots = self.cache_slots + (self.working_buffers if self.uses_warm_buffers else 0)
+        self._held_by_working: set[int] = set()   # kept by the working buffers beyond the cache budget
         self._upcast_buffer = None
         self._write_initial(initial_params)
 
@@ -202,14 +206,16 @@ class OffloadAdam:
                                 cache_order=self.config.cache_order)
         stats.order = "ascending" if len(order) < 2 or order[0] < order[-1] else "descending"
         self._iteration += 1
-        keep = kept_in_cache([i for i in order if i not in self._pinned],
-                             max(0, self.cache_slots - len(self._pinned))) | self._pinned
+        unpinned = [i for i in order if i not in self._pinned]
+        keep = kept_in_cache(unpinned, max(0, self.keep_slots - len(self._pinned))) | self._pinned
         self._cache_keep = keep
         self._order_pos = {idx: pos for pos, idx in enumerate(order)}
-        self._adopt_warm()
+        # Residents that the working buffers (not the cache budget) carried in from the last step.
+        held_by_working, self._held_by_working = (
+            self._held_by_working, keep - kept_in_cache(unpinned, max(0, self.cache_slots - len(self._pinned))))
         hyper = [self._hyper(g) for g in range(len(self.param_groups))]
-        errors = self._run_pipeline(order, keep, grads, params_out, hyper, inv_loss_scale, clip_coef,
-                                    on_subgroup_done, stats)
+        errors = self._run_pipeline(order, keep, held_by_working, grads, params_out, hyper, inv_loss_scale,
+                                    clip_coef, on_subgroup_done, stats)
         stats.step_s = time.perf_counter() - t_step
         stats.peak_host_bytes = self.pool.peak_bytes
         self.last_step_stats = stats.as_dict()
@@ -222,7 +228,6 @@ class OffloadAdam:
             if not store.failed and id(store) not in failing and store.vanished():
                 failing[id(store)] = (store, f"its scratch file {store.file_path} vanished")
         if failing:
-            self._drop_warm()   # failover moves subgroups and needs the buffers; a warm copy may be on the failed tier
             try:
                 take_out_of_service(self, list(failing.values()))
             except TierFailure as e:
@@ -335,7 +340,6 @@ class OffloadAdam:
         for t in self._retiring:
             t.join(self.config.io_timeout_s)
         self._finalizer()
-        self._drop_warm()
         self._resident.clear()
         self.pool.trim()          # give the host memory back now, not at garbage collection
         self._upcast_buffer = None
@@ -348,7 +352,7 @@ class OffloadAdam:
 
     # ------------------------------------------------------------------ the pipeline
 
-    def _run_pipeline(self, order, keep, grads, params_out, hyper, inv_loss_scale, clip_coef,
+    def _run_pipeline(self, order, keep, held_by_working, grads, params_out, hyper, inv_loss_scale, clip_coef,
                       on_subgroup_done, stats):
         from megatron_mlp.optim.fused_adam import threads_beside_io
         plan, pool, resident = self.plan, self.pool, self._resident
@@ -370,7 +374,7 @@ class OffloadAdam:
                 # the order of independent subgroups does not change the result.
                 while to_fetch and self._in_flight(fetching) < depth + self._stalled(fetching):
                     idx = self._next_fetch(to_fetch, keep)
-                    buf = self._try_buffer()
+                    buf = pool.try_acquire()
                     if buf is None:
                         break
                     to_fetch.remove(idx)
@@ -390,7 +394,7 @@ class OffloadAdam:
                         # Only retained (failed-flush) buffers hold the pool: go over budget rather than stall.
                         idx = to_fetch.pop(0)
                         store = self._store_of[self.tier_of[idx]]
-                        buf = self._try_buffer() or pool.try_acquire(force=True)
+                        buf = pool.try_acquire(force=True)
                         fetching[idx] = (store.fetch(plan[idx], buf), buf)
                     stats.wait_s += time.perf_counter() - t0
                     continue
@@ -399,7 +403,7 @@ class OffloadAdam:
                 store = self._store_of[self.tier_of[pick]]
                 if pick in resident:
                     buf = resident.pop(pick)
-                    if pick in self._warm_adopted:
+                    if pick in held_by_working:
                         stats.warm_hits += 1
                         store.stats.add(warm_hits=1)
                     else:
@@ -528,10 +532,7 @@ class OffloadAdam:
             sg, store, buf = flushing.pop(fut)
             exc = fut.exception()
             if exc is None:
-                if self.uses_warm_buffers:
-                    self._warm[sg.index] = (buf, store, store.records[sg.index].generation)
-                else:
-                    self.pool.release(buf)
+                self.pool.release(buf)
             else:
                 # The new state exists only in this buffer now: keep it (retried by the next step).
                 self._resident[sg.index] = buf
@@ -539,55 +540,28 @@ class OffloadAdam:
                 errors.append((sg, store, exc))
                 self.flush_errors.append(f"subgroup {sg.index} on {store.path}: {exc}")
 
-    # ------------------------------------------------------------------ warm buffers
+    # ------------------------------------------------------------------ between steps
 
-    def _try_buffer(self):
-        """A free pool buffer, taking one from the warm copies when the pool is at its limit.
-
-        During a step the warm copies are of subgroups already updated in it (the step adopted the
-        others when it started). The one updated earliest goes first: the next step, running the
-        other way, needs it last. (Not the one written back first: a slow tier's write-back ends
-        late, and keeping its subgroup would hold a buffer in the middle of the next step.)"""
-        buf = self.pool.try_acquire()
-        while buf is None and self._warm:
-            victim = min(self._warm, key=lambda i: self._order_pos.get(i, -1))
-            self.pool.release(self._warm.pop(victim)[0])
-            buf = self.pool.try_acquire()
-        return buf
-
-    def _warm_copy_is_current(self, index: int, store, generation: int) -> bool:
-        """Whether a warm copy still equals its subgroup's good copy: same tier in service, and no
-        write (a step's flush, write_range, failover) has switched the record since."""
-        rec = store.records.get(index)
-        return (not store.failed and self._store_of.get(self.tier_of[index]) is store
-                and rec is not None and rec.generation == generation and index not in self._resident)
-
-    def _adopt_warm(self) -> None:
-        """Start of a step: current warm copies become resident (no fetch); stale ones are freed."""
-        self._warm_adopted = set()
-        warm, self._warm = self._warm, {}
-        for index, (buf, store, generation) in warm.items():
-            if self._warm_copy_is_current(index, store, generation):
-                self._resident[index] = buf
-                self._warm_adopted.add(index)
-            else:
-                self.pool.release(buf)
-
-    def _take_warm(self, index: int):
-        """The warm copy of ``index`` if it is current (removed from the warm set), else None."""
-        entry = self._warm.pop(index, None)
-        if entry is None:
+    def _evict_for_access(self):
+        """A pool buffer for an access between steps when the pool holds only kept subgroups: the
+        one the next step updates last (the earliest of the last order) is written back to its free
+        slot and its buffer handed over. None when there is none to evict or its write failed (it
+        then stays in host memory, the only copy of its state, and the caller goes over budget)."""
+        candidates = [i for i in self._resident if i not in self._pinned]
+        if not candidates:
             return None
-        if self._warm_copy_is_current(index, *entry[1:]):
-            return entry
-        self.pool.release(entry[0])
-        return None
-
-    def _drop_warm(self) -> None:
-        """Free every warm copy (before failover, close)."""
-        warm, self._warm = self._warm, {}
-        for buf, _, _ in warm.values():
-            self.pool.release(buf)
+        victim = min(candidates, key=lambda i: self._order_pos.get(i, -1))
+        buf = self._resident[victim]
+        store = self._store_of[self.tier_of[victim]]
+        try:
+            store.write_now(self.plan[victim], buf)
+        except BaseException as e:  # noqa: BLE001 -- reported; the subgroup stays resident
+            logger.warning("writing back subgroup %d to %s to free a buffer failed: %s", victim, store.path, e)
+            store.stats.add(flush_errors=1)
+            return None
+        del self._resident[victim]
+        self._held_by_working.discard(victim)
+        return buf
 
     def _update(self, sg: Subgroup, buf, grads, params_out, hyper, inv_loss_scale, clip_coef, stats,
                 checksum: bool = False, threads: int = 0) -> int | None:
@@ -684,20 +658,18 @@ class _SubgroupAccess:
         self.opt, self.sg, self.load, self.write_back = opt, sg, load, write_back
         self.buf = None
         self.owned = False
-        self.warm = None     # (buffer, store, generation) when the warm copy served this access
 
     def __enter__(self):
         opt, sg = self.opt, self.sg
         if sg.index in opt._resident:
             self.buf = opt._resident[sg.index]
             return _views(sg, self.buf)
-        self.warm = opt._take_warm(sg.index)
-        self.buf = self.warm[0] if self.warm is not None else (opt._try_buffer() or opt.pool.try_acquire(force=True))
+        self.buf = opt.pool.try_acquire() or opt._evict_for_access() or opt.pool.try_acquire(force=True)
         self.owned = True
         try:
             if not self.load:
                 self.buf.torch(torch.uint8)[: sg.region_bytes].zero_()
-            elif self.warm is None:   # a warm copy already holds the current state
+            else:
                 opt._store_of[opt.tier_of[sg.index]].read_now(sg, self.buf)
         except BaseException:
             opt.pool.release(self.buf)
@@ -717,9 +689,6 @@ class _SubgroupAccess:
                 raise TierIOError(getattr(e, "errno", 0) or 0,
                                   f"writing subgroup {sg.index} to tier {store.path} failed; the new state is "
                                   f"kept in host memory and the previous copy is intact", store.file_path) from e
-        if self.warm is not None and not self.write_back:
-            opt._warm[sg.index] = self.warm    # only read: still the current state, keep it warm
-            return False
         opt.pool.release(self.buf)
         return False
 

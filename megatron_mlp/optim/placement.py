@@ -49,8 +49,8 @@ def plan_for(plan: SubgroupPlan, config, ranks_per_node: int = 1):
     budget = slots * plan.max_region_bytes
     warm = warm_subgroups(config)
     if (slots or warm) and config.order == "alternate" and config.cache_order:
-        # Steady state of the alternating order: the cached ends skip a read or a write each step,
-        # the warm buffers' subgroups next to them a read.
+        # Steady state of the alternating order: the cached ends, and the working buffers' subgroups
+        # next to them, skip a read or a write each step.
         return plan_placement(sizes, None, tiers, ranks_per_node=ranks_per_node, host_cache_bytes=budget,
                               cache_model="alternate", warm_subgroups=warm)
     # Ascending: the last `slots` subgroups stay in host memory for good and never move.
@@ -60,7 +60,8 @@ def plan_for(plan: SubgroupPlan, config, ranks_per_node: int = 1):
 
 
 def warm_subgroups(config) -> int:
-    """Subgroups the working buffers hold into the next step (``OffloadAdam``, warm buffers)."""
+    """Subgroups the working buffers carry, unwritten, into the next step (``OffloadAdam``, working
+    buffers as cache): all of them, with the alternating order."""
     if not (config.warm_buffers and config.cache_order and config.order == "alternate"):
         return 0
     return config.prefetch_depth + config.flush_depth + 1

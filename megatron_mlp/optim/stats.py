@@ -54,7 +54,7 @@ class StepStats:
     drain_s: float = 0.0         # waiting for the last flushes at the end of the step
     upcast_s: float = 0.0        # only with deferred_upcast=False (the ablation)
     cache_hits: int = 0
-    warm_hits: int = 0           # subgroups taken from a warm working buffer instead of a fetch
+    warm_hits: int = 0           # subgroups a working buffer carried over from the last step (no fetch)
     subgroups: int = 0
     kernels_beside_io: int = 0   # kernels run while a tier had I/O in flight (one core left to it)
     order: str = "ascending"

@@ -15,10 +15,16 @@ Pure Python, no I/O. The model, per tier ``j`` and per optimizer step:
   order -- each iteration the subgroups the cache holds at its start are updated first without a
   read and written out later, and the ones updated last stay cached without a write; head and tail
   swap roles every iteration, so a tier's time is that of its slower iteration. With ``warm_subgroups``
-  (the optimizer's working buffers keep the last subgroups written back), the next ones after the
-  cached end are also updated without a read, but still written. Either way cached subgroups keep a
+  (the optimizer's working buffers also keep the subgroups updated last, unwritten, into the next
+  step), that many more next to the cached end do the same. Either way cached subgroups keep a
   home on a tier (they are flushed on eviction), so they count against capacity.
 * The update's I/O time is the slowest tier's time; all tiers should finish together.
+* Except when the working buffers carry subgroups over (``warm_subgroups``): then the host pool
+  starts every step full, and a read waits for a write-back to free its buffer, on whatever tier
+  that write goes. A slow tier's write-back can hold up a fast tier's read, which per-tier sums
+  miss, so the step is simulated (``_full_pool_seconds``: write-backs first, in update order, on
+  each tier's lanes; each freed buffer to the next read) and the layout is chosen on that time,
+  trying every layout of the moving subgroups when there are few.
 
 Assignment: greedy longest-processing-time first (largest movers first, each onto the tier whose
 finish time grows least, respecting capacity), then local improvement (move or swap subgroups off
@@ -191,8 +197,8 @@ class Placement:
                          f"budget per rank; alternating order: {len(self.cached_subgroups())} subgroups at the ends "
                          "skip a read or a write every iteration")
             if self.warm_subgroups:
-                lines.append(f"warm buffers: the next {self.warm_subgroups} subgroups after the cached end are "
-                             "updated without a read (the working buffers still hold them), then written")
+                lines.append(f"working buffers: {self.warm_subgroups} more subgroups next to the cached end are "
+                             "carried into the next step, unwritten, as the cached ones are")
         else:
             lines.append(f"host cache: {len(self.cached_subgroups())} subgroups, {human_bytes(self.cached_bytes)} "
                          f"of a {human_bytes(self.host_cache_bytes)} budget per rank (move no bytes)")
@@ -321,16 +327,17 @@ def _cache_sets(sizes, moves, host_cache_bytes, cached_subgroups, cache_model, w
                               "from the budget")
         tail = set(default_cached_subgroups(sizes, host_cache_bytes))
         head = set(n - 1 - i for i in default_cached_subgroups(sizes[::-1], host_cache_bytes))
-        # The working buffers hold the subgroups written back last: next to the kept end.
+        # The working buffers hold the subgroups updated just before the cached end, unwritten.
         warm_tail = set([i for i in range(n) if i not in tail][-warm_subgroups:]) if warm_subgroups else set()
         warm_head = set([i for i in range(n) if i not in head][:warm_subgroups]) if warm_subgroups else set()
         # Iteration after an ascending pass (cache holds the tail): the tail is updated first without
         # a read and written out later; the head is read, updated last and stays (no write). The next
-        # iteration swaps the roles. Warm subgroups skip the read only.
+        # iteration swaps the roles. Warm subgroups do the same as the cached ones.
         def parity(hits, kept):
             return [(0 if i in hits else r, 0 if i in kept else w) for i, (r, w) in enumerate(moves)]
         used = max(sum(sizes[i] for i in tail), sum(sizes[i] for i in head))
-        return [parity(tail | warm_tail, head), parity(head | warm_head, tail)], tail | head, used
+        tail, head = tail | warm_tail, head | warm_head
+        return [parity(tail, head), parity(head, tail)], tail | head, used
     if cached_subgroups is None:
         cached = set(default_cached_subgroups(sizes, host_cache_bytes))
     else:
@@ -413,8 +420,9 @@ def plan_placement(subgroup_bytes: Sequence[int],
             updated first without a read (and written out later), the ones updated last stay cached
             without a write; the two sets (tail and head) swap roles every iteration, and a tier's
             time is that of its slower iteration.
-        warm_subgroups: ('alternate' only) how many subgroups written back last the optimizer's
-            working buffers still hold at the next iteration: they are updated without a read.
+        warm_subgroups: ('alternate' only) how many subgroups beyond the cache the optimizer's
+            working buffers carry into the next iteration, unwritten: like the cached ones they are
+            updated first without a read and the ones updated last are not written.
 
     Returns:
         A :class:`Placement`.
@@ -470,6 +478,9 @@ def plan_placement(subgroup_bytes: Sequence[int],
     if improve and model.n > 1:
         _improve(st, cost, tier_of)
         _exact_by_kind(st, cost, tier_of)
+    full_pool = cache_model == "alternate" and warm_subgroups > 0
+    if full_pool and improve and model.n > 1:
+        _exact_full_pool(st, cost, tier_of)
 
     lower = max(_lower_bound(model, pm, sizes) for pm in pmoves)
     notes = []
@@ -481,13 +492,16 @@ def plan_placement(subgroup_bytes: Sequence[int],
             notes.append(f"{t.path}: its capacity per rank ({int(model.cap[j])} bytes) holds no whole subgroup "
                          f"({smallest} bytes); use smaller subgroups to make use of it")
     worst = [st.worst_parity(j) for j in range(model.n)]
+    total = max(st.times)
+    if full_pool:
+        total = max(total, _full_pool_seconds(model, pmoves, tier_of))
     return Placement(
         tiers=tiers, tier_of=tuple(tier_of), cached=tuple(i in cached for i in range(n)),
         subgroup_bytes=tuple(sizes), tier_bytes=tuple(st.stored),
         tier_read_bytes=tuple(st.rd[worst[j]][j] for j in range(model.n)),
         tier_write_bytes=tuple(st.wr[worst[j]][j] for j in range(model.n)),
-        tier_seconds=tuple(st.times), total_seconds=max(st.times),
-        lower_bound_seconds=min(lower, max(st.times)), ranks_per_node=ranks_per_node,
+        tier_seconds=tuple(st.times), total_seconds=total,
+        lower_bound_seconds=min(lower, total), ranks_per_node=ranks_per_node,
         host_cache_bytes=host_cache_bytes, cached_bytes=cached_bytes, notes=tuple(notes),
         cache_model=cache_model, warm_subgroups=warm_subgroups)
 
@@ -512,6 +526,91 @@ def _raise_capacity(tiers, model: _Model, sizes, stored, unplaced) -> None:
         f"--mlp-offload-paths: {len(unplaced)} subgroups ({missing} bytes per rank) do not fit whole in "
         f"the room left on the tiers: {missing} bytes missing; tiers: {full}. Use smaller subgroups "
         "(--mlp-offload-subgroup-size), raise cap=, or add a path.")
+
+
+def _full_pool_seconds(model: _Model, pmoves, tier_of) -> float:
+    """The step's I/O time when the host pool starts every step full (the working buffers carry
+    subgroups over, so a fetch needs a buffer some write-back has freed), slower parity.
+
+    Per-tier sums miss this: a read waits for the write that frees its buffer, on whichever tier
+    that write goes. So each parity is simulated: the write-backs are issued at once in update
+    order (the alternating order: parity 0 descending, 1 ascending) and run first-in first-out on
+    their tier's lane (one lane for a shared read/write limit, one per direction otherwise); each
+    freed buffer takes the next read in update order, which then queues on its tier's read lane.
+    Compute is not modelled (the kernels overlap the I/O)."""
+    worst = 0.0
+    n = len(tier_of)
+    for p, moves in enumerate(pmoves):
+        order = range(n - 1, -1, -1) if p % 2 == 0 else range(n)
+        lane_free: dict = {}
+
+        def lane(j, write):
+            return (j, "rw") if model.shared[j] else (j, "w" if write else "r")
+
+        freed, end = [], 0.0
+        for i in order:
+            w = moves[i][1]
+            if w:
+                key = lane(tier_of[i], True)
+                t = lane_free.get(key, 0.0) + w * model.inv_w[tier_of[i]]
+                lane_free[key] = t
+                freed.append(t)
+                end = max(end, t)
+        freed.sort()
+        k = 0
+        for i in order:
+            r = moves[i][0]
+            if r:
+                ready = freed[k] if k < len(freed) else 0.0   # more reads than write-backs: a free buffer
+                k += 1
+                key = lane(tier_of[i], False)
+                t = max(lane_free.get(key, 0.0), ready) + r * model.inv_r[tier_of[i]]
+                lane_free[key] = t
+                end = max(end, t)
+        worst = max(worst, end)
+    return worst
+
+
+def _exact_full_pool(st: _State, cost, tier_of, limit: int = _EXACT_LIMIT) -> bool:
+    """With a full pool, the layout of the moving subgroups that is fastest by
+    ``_full_pool_seconds``, trying every one when there are at most ``limit``; applied only if it
+    beats the current one. (A slow tier whose write-back frees the buffer a fast tier's read waits
+    for can make the per-tier optimum the slower layout.) Returns whether the layout changed."""
+    model, sizes = st.model, st.sizes
+    movers = [i for i in range(len(sizes)) if cost[i]]
+    if not movers or model.n ** len(movers) > limit:
+        return False
+    best_time = _full_pool_seconds(model, st.pmoves, tier_of) * (1 - 1e-9) - _EPS
+    best = None
+    trial = list(tier_of)
+    stored0 = list(st.stored)
+    for i in movers:
+        stored0[tier_of[i]] -= sizes[i]
+
+    def search(k, stored):
+        nonlocal best, best_time
+        if k == len(movers):
+            t = _full_pool_seconds(model, st.pmoves, trial)
+            if t < best_time:
+                best, best_time = list(trial), t
+            return
+        i = movers[k]
+        for j in range(model.n):
+            if stored[j] + sizes[i] <= model.cap[j]:
+                trial[i] = j
+                stored[j] += sizes[i]
+                search(k + 1, stored)
+                stored[j] -= sizes[i]
+
+    search(0, stored0)
+    if best is None:
+        return False
+    for i in movers:
+        if best[i] != tier_of[i]:
+            st.take(i, tier_of[i])
+            st.put(i, best[i])
+            tier_of[i] = best[i]
+    return True
 
 
 def _compositions(count: int, parts: int):

@@ -137,7 +137,9 @@ def test_tier_failure_with_no_tier_left_stops_after_a_complete_step_and_keeps_st
 
 
 def test_subgroups_stay_in_host_memory_when_no_tier_has_room_and_the_cache_budget_has(two_tiers):
-    opt, ref, engines = build(two_tiers, host_cache_bytes=4 * 3 * 4096)   # 4 subgroup buffers
+    # 4 subgroup buffers of cache, and the working buffers write back what they update (with them
+    # as cache too, the pool would hold all 6 subgroups and nothing would be written to fail).
+    opt, ref, engines = build(two_tiers, host_cache_bytes=4 * 3 * 4096, warm_buffers=False)
     with opt:
         steps(opt, ref, 0, 2)
         on_b = subgroups_on(opt, two_tiers[1])

@@ -1,6 +1,7 @@
 """OffloadAdam: the trajectory equals torch's fp32 AdamW bit for bit, whatever the layout."""
 from __future__ import annotations
 
+import errno
 import math
 import os
 import stat
@@ -202,14 +203,20 @@ def test_alternating_order_yields_cache_hits_when_the_cache_holds_subgroups(tier
         assert reads == [n, n - 3, n - 3, n - 3]
 
 
-def test_warm_buffers_let_the_next_step_start_without_reading_the_last_subgroups_written_back(tier_dirs):
+def test_working_buffers_carry_the_last_subgroups_into_the_next_step_unwritten(tier_dirs):
+    """With the alternating order the whole pool caches: the cache's subgroups and, next to them,
+    one per working buffer are neither written back at the end of a step nor read at the start of
+    the next, which updates them first. Only the subgroups the pool cannot hold move."""
     sub = 1024
     buf = 3 * 4 * sub
     cache = 3 * buf
     opt, ref = make(tier_dirs, 2, subgroup_params=sub, host_cache_bytes=cache)
     with opt:
         n = len(opt.plan)
-        budget = cache + (opt.config.prefetch_depth + opt.config.flush_depth + 1) * buf
+        working = opt.config.prefetch_depth + opt.config.flush_depth + 1
+        held = 3 + working
+        assert opt.keep_slots == held < n
+        budget = cache + working * buf
         for step in range(6):
             g = grads_for(step, torch.bfloat16)
             opt.step(g)
@@ -218,54 +225,86 @@ def test_warm_buffers_let_the_next_step_start_without_reading_the_last_subgroups
             reads = sum(t["fetches"] for t in s["tiers"])
             writes = sum(t["flushes"] for t in s["tiers"])
             assert reads + s["cache_hits"] + s["warm_hits"] == n, s
-            assert writes == n - 3, "every subgroup not kept in the cache is still written back"
+            assert writes == n - held, "only what the pool cannot hold is written back"
             if step:
-                assert s["cache_hits"] == 3
-                assert s["warm_hits"] > 0, "the next step read again what the working buffers held"
+                assert (s["cache_hits"], s["warm_hits"]) == (3, working), s
+                assert reads == n - held
                 assert s["warm_hits"] == sum(t["warm_hits"] for t in s["tiers"])
-            assert opt.pool.peak_bytes <= budget, "warm copies must live in the pool's own buffers"
+            assert sorted(opt._resident) == sorted(opt._cache_keep)
+            assert opt.pool.peak_bytes <= budget, "the carried subgroups live in the pool's own buffers"
         assert_state_equal(opt, ref)
 
 
-def test_a_warm_copy_is_given_up_by_update_order_not_by_when_its_write_back_ended(tier_dirs):
-    """Write-backs on a slow tier end late, so the warm copies are not in update order. When the
-    pool needs a buffer it must give up the subgroup updated earliest (the next step, running the
-    other way, needs it last), not the one whose write-back happened to end first."""
+def test_reading_the_state_between_steps_writes_back_the_carried_subgroup_needed_last(tier_dirs):
+    """A checkpoint (state_dict / read_range) between steps reads the other subgroups through one
+    buffer, within the budget: with the pool full of carried subgroups, the one the next step
+    updates last (the earliest of this step's order) is written back to free it, and no other."""
     sub = 1024
-    opt, ref = make(tier_dirs, 1, subgroup_params=sub, host_cache_bytes=0)
+    opt, ref = make(tier_dirs, 1, subgroup_params=sub, host_cache_bytes=2 * 3 * 4 * sub)
     with opt:
-        g = grads_for(0, torch.bfloat16)
-        opt.step(g)
-        ref.step(g)
-        assert opt.last_step_stats["order"] == "ascending" and len(opt._warm) >= 3
-        warm = sorted(opt._warm)
-        # As if the write-back of the latest-updated one had ended first.
-        opt._warm = {i: opt._warm[i] for i in sorted(warm, reverse=True)}
-        cold = min(set(range(len(opt.plan))) - set(warm))
-        opt.read_range(opt.plan[cold].start, opt.plan[cold].end)   # needs one buffer: one warm copy goes
-        assert sorted(opt._warm) == warm[1:], f"gave up {sorted(set(warm) - set(opt._warm))}, not {warm[0]}"
-        g = grads_for(1, torch.bfloat16)
-        opt.step(g)
-        ref.step(g)
-        assert opt.last_step_stats["warm_hits"] == len(warm) - 1
+        opt.step(grads_for(0, torch.bfloat16))
+        ref.step(grads_for(0, torch.bfloat16))
+        held = set(opt._resident)
+        assert len(held) == opt.keep_slots and opt.last_step_stats["order"] == "ascending"
+        store = opt.stores[0]
+        generations = {i: store.records[i].generation for i in range(len(opt.plan))}
+        assert_state_equal(opt, ref)      # reads the subgroups not in host memory
+        needed_last = min(held)
+        assert set(opt._resident) == held - {needed_last}
+        assert store.records[needed_last].generation == generations[needed_last] + 1
+        assert all(store.records[i].generation == generations[i] for i in held - {needed_last})
+        opt.step(grads_for(1, torch.bfloat16))
+        ref.step(grads_for(1, torch.bfloat16))
+        s = opt.last_step_stats
+        assert s["cache_hits"] + s["warm_hits"] == len(held) - 1
+        assert opt.pool.peak_bytes <= opt.host_budget_bytes and opt.pool.over_budget_bytes == 0
         assert_state_equal(opt, ref)
 
 
-def test_warm_buffers_are_off_without_the_alternating_order(tier_dirs):
+def test_a_failed_write_back_between_steps_keeps_the_carried_subgroup_and_the_read_goes_on(tier_dirs):
+    """The write-back that frees a buffer for a read between steps fails: the subgroup stays in
+    host memory (its only newest copy), the read still returns the right state (one buffer over
+    the budget, given back at once), and the next step writes it back as usual."""
+    from megatron_mlp.testing.fault_engine import FaultyEngines
+    sub = 1024
+    config = MLPOffloadConfig.from_paths(tier_dirs[0], subgroup_params=sub, use_tokens=False,
+                                         host_cache_bytes=2 * 3 * 4 * sub)
+    init = torch.randn(N, generator=torch.Generator().manual_seed(1))
+    engines = FaultyEngines(config)
+    opt = OffloadAdam(config, RANGES, [dict(g) for g in GROUPS], init, engine_factory=engines)
+    ref = ReferenceAdamW(RANGES, GROUPS, init)
+    with opt:
+        opt.step(grads_for(0, torch.bfloat16))
+        ref.step(grads_for(0, torch.bfloat16))
+        held = set(opt._resident)
+        engines.engines[0].inject_fault(nth=1, err=errno.EIO, op="write", every=True)
+        assert_state_equal(opt, ref)
+        engines.engines[0].clear_faults()
+        assert set(opt._resident) == held, "a subgroup whose write-back failed must stay in host memory"
+        assert opt.pool.over_budget_bytes == opt.pool.buffer_bytes, "one buffer over the budget for the read"
+        assert opt.pool.allocated_bytes <= opt.pool.limit_bytes, "and given back after it"
+        for step in range(1, 4):
+            opt.step(grads_for(step, torch.bfloat16))
+            ref.step(grads_for(step, torch.bfloat16))
+        assert_state_equal(opt, ref)
+
+
+def test_working_buffers_carry_nothing_without_the_alternating_order(tier_dirs):
     sub = 1024
     for overrides in ({"order": "ascending"}, {"cache_order": False}, {"warm_buffers": False}):
         opt, _ = make(tier_dirs, 1, subgroup_params=sub, host_cache_bytes=3 * 3 * 4 * sub, **overrides)
         with opt:
+            assert opt.keep_slots == opt.cache_slots, overrides
             for step in range(3):
                 opt.step(grads_for(step, torch.bfloat16))
                 assert opt.last_step_stats["warm_hits"] == 0, overrides
-            assert not opt._warm, overrides
+                assert len(opt._resident) == opt.cache_slots, overrides
 
 
 @pytest.mark.parametrize("whole", [True, False], ids=["whole-subgroups", "partial-subgroups"])
-def test_state_written_between_steps_is_used_instead_of_a_stale_warm_copy(tier_dirs, whole):
-    """write_range (as load_state_dict does) between steps: the next step must see the new values,
-    not a warm buffer holding the state from before."""
+def test_state_written_between_steps_reaches_the_subgroups_the_working_buffers_carry(tier_dirs, whole):
+    """write_range (as load_state_dict does) between steps, over subgroups the working buffers
+    carry: the next step must update the new values, as a run without carried buffers does."""
     sub = 1024
     warm, _ = make(tier_dirs, 2, subgroup_params=sub, host_cache_bytes=2 * 3 * 4 * sub)
     cold, _ = make(tier_dirs[1:], 2, subgroup_params=sub, host_cache_bytes=2 * 3 * 4 * sub, warm_buffers=False)
@@ -273,10 +312,10 @@ def test_state_written_between_steps_is_used_instead_of_a_stale_warm_copy(tier_d
         for step in range(2):
             for opt in (warm, cold):
                 opt.step(grads_for(step, torch.bfloat16))
-        assert warm._warm, "the test needs warm copies to exist when the state is overwritten"
-        warm_range = sorted(warm._warm)
-        lo = warm.plan[warm_range[0]].start + (0 if whole else 7)
-        hi = warm.plan[warm_range[-1]].end - (0 if whole else 5)
+        carried = sorted(warm._held_by_working)
+        assert carried and set(carried) <= set(warm._resident)
+        lo = warm.plan[carried[0]].start + (0 if whole else 7)
+        hi = warm.plan[carried[-1]].end - (0 if whole else 5)
         gen = torch.Generator().manual_seed(7)
         new = {k: torch.rand(hi - lo, generator=gen) for k in STATES}
         for opt in (warm, cold):
@@ -289,27 +328,7 @@ def test_state_written_between_steps_is_used_instead_of_a_stale_warm_copy(tier_d
                 opt.step(grads_for(step, torch.bfloat16))
         a, b = warm.read_range(0, warm.numel), cold.read_range(0, cold.numel)
         for k in STATES:
-            assert torch.equal(a[k], b[k]), f"{k} differs from the run without warm buffers"
-
-
-def test_reading_the_state_between_steps_gives_up_at_most_one_warm_copy(tier_dirs):
-    """A checkpoint (state_dict / read_range) between steps reads the other subgroups through one
-    buffer, within the budget: it takes the warm copy the next step needs last, and no other."""
-    sub = 1024
-    opt, ref = make(tier_dirs, 1, subgroup_params=sub, host_cache_bytes=2 * 3 * 4 * sub)
-    with opt:
-        opt.step(grads_for(0, torch.bfloat16))
-        ref.step(grads_for(0, torch.bfloat16))
-        warm_before = set(opt._warm)
-        assert warm_before
-        assert_state_equal(opt, ref)
-        kept = set(opt._warm)
-        assert kept <= warm_before and len(kept) >= len(warm_before) - 1, (warm_before, kept)
-        opt.step(grads_for(1, torch.bfloat16))
-        ref.step(grads_for(1, torch.bfloat16))
-        assert opt.last_step_stats["warm_hits"] == len(kept)
-        assert opt.pool.peak_bytes <= opt.host_budget_bytes
-        assert_state_equal(opt, ref)
+            assert torch.equal(a[k], b[k]), f"{k} differs from the run that writes every subgroup back"
 
 
 def test_no_cache_hits_when_cache_ordering_is_off(tier_dirs):

@@ -132,6 +132,7 @@ def test_failed_flush_keeps_new_state_in_memory_and_previous_copy_readable(tier_
             opt.step(g)
             ref.step(g)
         previous = {name: ref.state(name).clone() for name in STATES}
+        held_before = set(opt._resident)   # not on storage in their newest state (carried over)
         store = opt.stores[0]
         # Writes fail from now on (the retry too), and there is no other tier to fail over to.
         engines.engines[0].inject_fault(nth=1, err=errno.EIO, op="write", every=True)
@@ -140,12 +141,18 @@ def test_failed_flush_keeps_new_state_in_memory_and_previous_copy_readable(tier_
             opt.step(g)
         engines.engines[0].clear_faults()
         ref.step(g)
-        assert opt.last_step_stats["tiers"][0]["flush_errors"] == len(opt.plan)
-        # Every subgroup was updated; the one whose flush failed lives in host memory.
+        # Every subgroup the step wrote back (all but those the working buffers keep) failed.
+        written_back = len(opt.plan) - opt.keep_slots
+        assert written_back > 0
+        assert opt.last_step_stats["tiers"][0]["flush_errors"] == written_back
+        # Every subgroup was updated; the ones whose flush failed live in host memory, with the kept ones.
         assert_state_equal(opt, ref)
         failed = [int(m.split()[1]) for m in opt.flush_errors]   # "subgroup <i> on <tier>: ..."
-        assert sorted(failed) == sorted(opt._resident) == list(range(len(opt.plan)))
-        sg = opt.plan[failed[0]]
+        assert len(failed) == written_back and not set(failed) & opt._cache_keep
+        assert sorted(opt._resident) == list(range(len(opt.plan)))
+        fetched = [i for i in failed if i not in held_before]   # read from storage in this step
+        assert fetched, (failed, held_before)
+        sg = opt.plan[fetched[0]]
         rec = store.records[sg.index]
         # Whatever the failed write left in its target slot (here: garbage) is never read:
         with open(store.file_path, "r+b") as f:
