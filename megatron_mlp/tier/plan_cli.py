@@ -7,7 +7,8 @@ Example::
 
 Each rank holds ``num_params / data_parallel_size`` parameters of optimizer state (fp32 param, Adam
 m and v: 12 bytes each), split into subgroups of ``subgroup_params``; every step reads and writes
-each subgroup once, except what the host cache saves (see ``--cache-model``).
+each subgroup once, except what the host cache and, with the alternating order, the optimizer's
+working buffers save (see ``--cache-model`` and ``--working-buffers``).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import json
 import math
 import sys
 
+from megatron_mlp.config import MLPOffloadConfig
 from megatron_mlp.errors import ConfigError, TierCapacityError
 from megatron_mlp.tier.placement import human_bytes, plan_placement
 from megatron_mlp.tier.resolve import resolve_tiers
@@ -38,6 +40,10 @@ def parse_count(text: str, flag: str) -> int:
     return int(value)
 
 
+# The optimizer's working buffers with the default --mlp-offload-prefetch-depth / -flush-depth.
+_DEFAULT_WORKING = MLPOffloadConfig.prefetch_depth + MLPOffloadConfig.flush_depth + 1
+
+
 def subgroup_layout(num_params: int, subgroup_params: int) -> list[int]:
     """Parameters per subgroup: full subgroups and a shorter last one."""
     full, rest = divmod(num_params, subgroup_params)
@@ -58,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-model", choices=("alternate", "resident"), default="alternate",
                    help="'alternate' (default, --mlp-offload-order alternate: the cached subgroups at both ends "
                         "skip a read or a write each iteration) or 'resident' (cached subgroups never move)")
+    p.add_argument("--working-buffers", type=int, default=None,
+                   help="subgroups the optimizer's working buffers carry into the next step with the alternating "
+                        "order: --mlp-offload-prefetch-depth + --mlp-offload-flush-depth + 1 (default "
+                        f"{_DEFAULT_WORKING}, from their defaults); 0 as with --mlp-offload-no-warm-buffers")
     p.add_argument("--calibration", default="auto",
                    help="'auto' (cached measurement, measured once if missing), 'off' (declared or default "
                         "bandwidths only) or a calibration JSON file")
@@ -80,6 +90,11 @@ def make_plan(args) -> dict:
     if dp < 1:
         raise ConfigError(f"--data-parallel-size: {dp} must be >= 1")
     host_cache = parse_size(args.host_cache_bytes, "--host-cache-bytes", "size")
+    working = _DEFAULT_WORKING if args.working_buffers is None else args.working_buffers
+    if working < 0:
+        raise ConfigError(f"--working-buffers: {working} must be >= 0")
+    if args.cache_model != "alternate":
+        working = 0   # the working buffers carry subgroups over only with the alternating order
     shard = math.ceil(num_params / dp)
     params = subgroup_layout(shard, subgroup_params)
     sizes = [n * STATE_BYTES_PER_PARAM for n in params]
@@ -89,12 +104,13 @@ def make_plan(args) -> dict:
     warnings, notes, mode = list(resolved.warnings), list(resolved.notes), resolved.calibration
     tiers = list(resolved.tiers)
     placement = plan_placement(sizes, None, tiers, ranks_per_node=args.ranks_per_node, host_cache_bytes=host_cache,
-                               cache_model=args.cache_model)
+                               cache_model=args.cache_model, warm_subgroups=working)
     return {
         "config": {"paths": [s.path for s in specs], "num_params": num_params, "data_parallel_size": dp,
                    "params_per_rank": shard, "subgroup_params": subgroup_params, "num_subgroups": len(sizes),
                    "state_bytes_per_rank": sum(sizes), "ranks_per_node": args.ranks_per_node,
-                   "host_cache_bytes": host_cache, "cache_model": args.cache_model, "calibration": mode},
+                   "host_cache_bytes": host_cache, "cache_model": args.cache_model, "working_buffers": working,
+                   "calibration": mode},
         "warnings": warnings,
         "notes": notes + list(placement.notes),
         "placement": placement,

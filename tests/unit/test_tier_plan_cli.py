@@ -19,7 +19,7 @@ def run(capsys, *argv):
 def test_json_plan_splits_state_by_declared_bandwidth_when_calibration_off(capsys, tmp_path):
     paths = f"{tmp_path}/fast:bw=6GB/s,rw=separate;{tmp_path}/slow:bw=3GB/s,rw=separate"
     rc, out, err = run(capsys, "--paths", paths, "--num-params", "300M", "--subgroup-params", "10M",
-                       "--ranks-per-node", "1", "--calibration", "off", "--json")
+                       "--ranks-per-node", "1", "--calibration", "off", "--working-buffers", "0", "--json")
     assert rc == 0, err
     d = json.loads(out)  # stdout is exactly one JSON object
     tiers = d["placement"]["tiers"]
@@ -46,11 +46,30 @@ def test_resident_cache_model_keeps_cached_subgroups_still(capsys, tmp_path):
             "--ranks-per-node", "1", "--host-cache-bytes", "2.4GB", "--calibration", "off", "--json"]
     rc, out, _ = run(capsys, *argv, "--cache-model", "resident")
     resident = json.loads(out)["placement"]
-    rc, out, _ = run(capsys, *argv)
+    rc, out, _ = run(capsys, *argv, "--working-buffers", "0")
     alternate = json.loads(out)["placement"]
     assert resident["cached_subgroups"] == [8, 9] and resident["tiers"][0]["read_bytes"] == 8 * 1_200_000_000
     assert alternate["cached_subgroups"] == [0, 1, 8, 9] and alternate["tiers"][0]["read_bytes"] == 8 * 1_200_000_000
     assert resident["predicted_seconds"] == pytest.approx(alternate["predicted_seconds"])
+
+
+def test_working_buffers_carry_subgroups_over_as_the_optimizer_does(capsys, tmp_path):
+    # 10 subgroups of 1.2 GB, 2 cached and (by default) 5 carried by the optimizer's working
+    # buffers: each iteration reads 3 and writes 3, as OffloadAdam does.
+    argv = ["--paths", f"{tmp_path}:bw=1GB/s,rw=shared", "--num-params", "1B", "--subgroup-params", "100M",
+            "--ranks-per-node", "1", "--host-cache-bytes", "2.4GB", "--calibration", "off"]
+    rc, out, _ = run(capsys, *argv, "--json")
+    d = json.loads(out)
+    assert d["config"]["working_buffers"] == 5
+    tier = d["placement"]["tiers"][0]
+    assert tier["read_bytes"] == tier["write_bytes"] == 3 * 1_200_000_000
+    assert d["placement"]["predicted_seconds"] == pytest.approx(6 * 1.2)
+    rc, out, _ = run(capsys, *argv)
+    assert "working buffers: 5 more subgroups" in out
+    rc, out, _ = run(capsys, *argv, "--cache-model", "resident", "--json")
+    assert json.loads(out)["config"]["working_buffers"] == 0, "only the alternating order carries them over"
+    rc, _, err = run(capsys, *argv, "--working-buffers", "-1")
+    assert rc == 2 and "--working-buffers" in err and "-1" in err
 
 
 def test_shard_per_rank_follows_data_parallel_size(capsys, tmp_path):
@@ -70,7 +89,7 @@ def test_capacity_error_exits_2_and_says_bytes_missing(capsys, tmp_path):
 def test_no_probe_plans_paths_that_do_not_exist_here(capsys, tmp_path):
     ghost = tmp_path / "only-on-compute-nodes"
     rc, out, _ = run(capsys, "--paths", f"{ghost}:bw=6GB/s,rw=separate", "--num-params", "7B",
-                     "--ranks-per-node", "4", "--no-probe", "--json")
+                     "--ranks-per-node", "4", "--no-probe", "--working-buffers", "0", "--json")
     assert rc == 0 and not ghost.exists()
     assert json.loads(out)["placement"]["predicted_seconds"] == pytest.approx(7e9 / 4 * 12 * 4 / 6e9)
 
