@@ -266,7 +266,7 @@ static void piece(std::size_t n, int k, int t, std::size_t* begin, std::size_t* 
 
 int CpuAdam::step(const AdamHyper& hyper, float* param, float* exp_avg, float* exp_avg_sq, const void* grad,
                   DType grad_dtype, void* out, DType out_dtype, std::size_t n, int num_threads,
-                  std::uint32_t* crcs) {
+                  std::uint32_t* crcs, std::uint32_t* in_crcs) {
     AdamScalars s;
     if (int rc = make_adam_scalars(hyper, sqrt_mode_, &s); rc < 0) return rc;
     if (!valid_dtype(grad_dtype) || !valid_dtype(out_dtype)) return -EINVAL;
@@ -275,36 +275,49 @@ int CpuAdam::step(const AdamHyper& hyper, float* param, float* exp_avg, float* e
     const int k = plan_tasks(n, num_threads);
     const Isa isa = isa_;
     const std::size_t gb = dtype_bytes(grad_dtype), ob = dtype_bytes(out_dtype);
-    // With `crcs`, each thread checksums its own piece of each array, tile by tile right after
-    // updating the tile; the pieces' CRCs are then joined in order (crc32c_combine). Without,
-    // a thread's piece is one tile.
+    // With `crcs` (`in_crcs`), each thread checksums its own piece of each array tile by tile,
+    // right after (before) updating the tile, while it is in cache; the pieces' CRCs are then
+    // joined in order (crc32c_combine). Without either, a thread's piece is one tile.
     struct PieceCrc {
-        std::uint32_t crc[3] = {0, 0, 0};
+        std::uint32_t out[3] = {0, 0, 0};
+        std::uint32_t in[3] = {0, 0, 0};
         std::size_t bytes = 0;
     };
-    std::vector<PieceCrc> parts(crcs ? static_cast<std::size_t>(k) : 0);
+    const bool tiled = crcs || in_crcs;
+    std::vector<PieceCrc> parts(tiled ? static_cast<std::size_t>(k) : 0);
     pool_.run(k, [&](int t) {
         std::size_t b, e;
         piece(n, k, t, &b, &e);
-        const std::size_t tile = crcs ? kCrcTileElems : e - b;
+        const std::size_t tile = tiled ? kCrcTileElems : e - b;
         for (std::size_t i = b; i < e; i += tile) {
             const std::size_t len = std::min(tile, e - i);
             void* o = out ? static_cast<char*>(out) + i * ob : nullptr;
+            if (in_crcs) {
+                PieceCrc& part = parts[static_cast<std::size_t>(t)];
+                part.in[0] = crc32c(param + i, len * 4, part.in[0]);
+                part.in[1] = crc32c(exp_avg + i, len * 4, part.in[1]);
+                part.in[2] = crc32c(exp_avg_sq + i, len * 4, part.in[2]);
+            }
             adam_update_range(isa, s, param + i, exp_avg + i, exp_avg_sq + i,
                               static_cast<const char*>(grad) + i * gb, grad_dtype, o, out_dtype, len);
-            if (!crcs) continue;
+            if (!tiled) continue;
             PieceCrc& part = parts[static_cast<std::size_t>(t)];
-            part.crc[0] = crc32c(param + i, len * 4, part.crc[0]);
-            part.crc[1] = crc32c(exp_avg + i, len * 4, part.crc[1]);
-            part.crc[2] = crc32c(exp_avg_sq + i, len * 4, part.crc[2]);
+            if (crcs) {
+                part.out[0] = crc32c(param + i, len * 4, part.out[0]);
+                part.out[1] = crc32c(exp_avg + i, len * 4, part.out[1]);
+                part.out[2] = crc32c(exp_avg_sq + i, len * 4, part.out[2]);
+            }
             part.bytes += len * 4;
         }
     });
-    if (!crcs) return 0;
-    for (int a = 0; a < 3; ++a) {
-        std::uint32_t crc = parts[0].crc[a];
-        for (std::size_t t = 1; t < parts.size(); ++t) crc = crc32c_combine(crc, parts[t].crc[a], parts[t].bytes);
-        crcs[a] = crc;
+    for (int a = 0; tiled && a < 3; ++a) {
+        std::uint32_t before = parts[0].in[a], after = parts[0].out[a];
+        for (std::size_t t = 1; t < parts.size(); ++t) {
+            before = crc32c_combine(before, parts[t].in[a], parts[t].bytes);
+            after = crc32c_combine(after, parts[t].out[a], parts[t].bytes);
+        }
+        if (crcs) crcs[a] = after;
+        if (in_crcs) in_crcs[a] = before;
     }
     return 0;
 }

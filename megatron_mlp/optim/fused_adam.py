@@ -148,7 +148,7 @@ def _check_tensor(name: str, t, allowed: dict, numel: int | None) -> None:
 
 def fused_adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *, lr, beta1, beta2, eps,
                     weight_decay, step, inv_loss_scale=1.0, clip_coef=1.0, num_threads=0,
-                    checksums=False) -> tuple[int, int, int] | None:
+                    checksums=False, input_checksums=False):
     """One AdamW step over a flat range, in place.
 
     Args:
@@ -162,9 +162,13 @@ def fused_adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *, lr, bet
         num_threads: threads to use, 0 = the whole pool.
         checksums: also return the CRC-32C of the updated ``param``, ``exp_avg`` and ``exp_avg_sq``
             (as ``crc32c(tensor)`` would give), computed tile by tile while each tile is in cache.
+        input_checksums: also return their CRC-32C *before* the update, computed the same way
+            (each tile just before it is updated): what a region read back from storage is
+            verified against, without a pass of its own over the state.
 
     Returns:
-        ``(crc_param, crc_exp_avg, crc_exp_avg_sq)`` with ``checksums=True``, else None.
+        ``(crc_param, crc_exp_avg, crc_exp_avg_sq)`` with ``checksums=True``, else None; with
+        ``input_checksums=True``, the pair ``(crcs before the update, that result)``.
 
     Raises:
         TypeError / ValueError: a tensor of the wrong dtype, device, size or layout, or bad
@@ -184,11 +188,12 @@ def fused_adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *, lr, bet
     if num_threads < 0:
         raise ValueError(f"fused_adam_step: num_threads must be >= 0, got {num_threads}")
     if n == 0:
-        return (0, 0, 0) if checksums else None
+        after = (0, 0, 0) if checksums else None
+        return ((0, 0, 0), after) if input_checksums else after
     return _kernel().step(param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
                           _GRAD_DTYPES[grad.dtype], out_ptr, out_code, n, float(lr), float(beta1), float(beta2),
                           float(eps), float(weight_decay), int(step), float(inv_loss_scale), float(clip_coef),
-                          int(num_threads), bool(checksums))
+                          int(num_threads), bool(checksums), bool(input_checksums))
 
 
 def grad_stats(grad, num_threads: int = 0) -> tuple[float, bool]:

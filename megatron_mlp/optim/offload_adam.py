@@ -40,7 +40,7 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
-from megatron_mlp.errors import ConfigError, TierFailure, TierIOError
+from megatron_mlp.errors import ConfigError, IntegrityError, TierFailure, TierIOError
 from megatron_mlp.optim.failover import FailoverStats, take_out_of_service
 from megatron_mlp.optim.host_pool import HostBufferPool
 from megatron_mlp.optim.placement import assign_subgroups, placement_tiers, warm_subgroups
@@ -379,7 +379,7 @@ class OffloadAdam:
                         break
                     to_fetch.remove(idx)
                     store = self._store_of[self.tier_of[idx]]
-                    fetching[idx] = (store.fetch(plan[idx], buf), buf)
+                    fetching[idx] = (store.fetch(plan[idx], buf, verify=False), buf)
                 self._reap(flushing, errors, block=False)
                 pick = self._first_ready(remaining, fetching, flushing, keep)
                 if pick is None:
@@ -395,12 +395,13 @@ class OffloadAdam:
                         idx = to_fetch.pop(0)
                         store = self._store_of[self.tier_of[idx]]
                         buf = pool.try_acquire(force=True)
-                        fetching[idx] = (store.fetch(plan[idx], buf), buf)
+                        fetching[idx] = (store.fetch(plan[idx], buf, verify=False), buf)
                     stats.wait_s += time.perf_counter() - t0
                     continue
                 remaining.remove(pick)
                 sg = plan[pick]
                 store = self._store_of[self.tier_of[pick]]
+                snapshot = None   # of the record read, when the kernel verifies what was fetched
                 if pick in resident:
                     buf = resident.pop(pick)
                     if pick in held_by_working:
@@ -412,7 +413,7 @@ class OffloadAdam:
                 else:
                     fut, buf = fetching.pop(pick)
                     try:
-                        fut.result()
+                        snapshot = fut.result()
                     except BaseException as e:
                         if getattr(e, "errno", None) == errno.ETIMEDOUT:
                             pool.abandon(buf)    # the timed-out read may still write into it
@@ -425,9 +426,14 @@ class OffloadAdam:
                 t0 = time.perf_counter()
                 # A region to be written back gets its crc32c from the kernel, which checksums each
                 # tile while it is in cache; a separate pass would stream it through memory again.
-                crc = self._update(sg, buf, grads, params_out, hyper[sg.group], inv_loss_scale, clip_coef, stats,
-                                   checksum=store.checksum and pick not in keep,
-                                   threads=threads_beside_io(io_busy, self.config.adam_threads))
+                try:
+                    crc = self._update(sg, buf, grads, params_out, hyper[sg.group], inv_loss_scale, clip_coef,
+                                       stats, checksum=store.checksum and pick not in keep,
+                                       threads=threads_beside_io(io_busy, self.config.adam_threads),
+                                       verify=(store, snapshot) if snapshot is not None else None)
+                except IntegrityError:
+                    pool.release(buf)   # updated from corrupt data: never handed out nor written back
+                    raise
                 stats.compute_s += time.perf_counter() - t0
                 stats.subgroups += 1
                 if on_subgroup_done is not None:
@@ -564,9 +570,15 @@ class OffloadAdam:
         return buf
 
     def _update(self, sg: Subgroup, buf, grads, params_out, hyper, inv_loss_scale, clip_coef, stats,
-                checksum: bool = False, threads: int = 0) -> int | None:
+                checksum: bool = False, threads: int = 0, verify=None) -> int | None:
         """The fused AdamW step on ``sg`` in ``buf`` on ``threads`` threads (0: the whole pool); with
-        ``checksum``, returns the region's crc32c."""
+        ``checksum``, returns the region's crc32c.
+
+        ``verify``: ``(store, snapshot)`` of the fetch that filled ``buf``: the kernel also checksums
+        the state as it was, tile by tile just before updating it, and a mismatch with the record
+        raises ``IntegrityError`` -- after the kernel has run (its ``params_out`` slice is then
+        unusable) but before the caller is told the subgroup is done or anything is written back.
+        A separate pass would stream the region through memory once more, beside the kernel."""
         from megatron_mlp.optim.checksum import region_crc32c
         from megatron_mlp.optim.fused_adam import fused_adam_step
         views = _views(sg, buf)
@@ -581,14 +593,21 @@ class OffloadAdam:
             grad = upcast
             stats.upcast_s += time.perf_counter() - t0
         out = params_out[sg.start:sg.end] if params_out is not None else None
+        check = verify is not None and verify[0].checksum and verify[1][2] is not None
         crcs = fused_adam_step(views["param"], views["exp_avg"], views["exp_avg_sq"], grad, out,
                                lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
                                weight_decay=hyper["weight_decay"], step=hyper["step"],
                                inv_loss_scale=float(inv_loss_scale), clip_coef=float(clip_coef), checksums=checksum,
-                               num_threads=threads)
+                               num_threads=threads, input_checksums=check)
+        region = buf.torch(torch.uint8)[: sg.region_bytes]
+        if check:
+            before, crcs = crcs
+            # The padding after each array is not touched by the kernel: it is read here as stored.
+            store, snapshot = verify
+            store.verify_checksum(sg, snapshot, region_crc32c(region, sg.numel * 4, sg.padded_numel * 4, before))
         if not checksum:
             return None
-        return region_crc32c(buf.torch(torch.uint8)[: sg.region_bytes], sg.numel * 4, sg.padded_numel * 4, crcs)
+        return region_crc32c(region, sg.numel * 4, sg.padded_numel * 4, crcs)
 
     def _hyper(self, g: int) -> dict:
         group = self.param_groups[g]

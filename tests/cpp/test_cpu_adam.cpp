@@ -196,6 +196,36 @@ void test_crc32c() {
     }
 }
 
+// step() checksums each thread's tiles before (in_crcs) and after (crcs) updating them and joins
+// the pieces: both must equal crc32c of the whole arrays, whatever the split over threads.
+void test_step_checksums_before_and_after() {
+    mlp::CpuAdam adam(3);
+    const std::size_t n = 3 * mlp::kMinElemsPerThread + mlp::kCrcTileElems / 2 + 7;
+    State s = make_state(n, mlp::DType::kBFloat16, mlp::DType::kBFloat16, 11);
+    for (std::size_t i = 0; i < n; ++i) s.m[i] = 0.001f * static_cast<float>(i % 97);
+    const std::uint32_t want_before[3] = {mlp::crc32c(s.p.data(), n * 4), mlp::crc32c(s.m.data(), n * 4),
+                                          mlp::crc32c(s.v.data(), n * 4)};
+    mlp::AdamHyper h;
+    for (int threads : {1, 2, 3}) {
+        State t = s;
+        std::uint32_t before[3] = {1, 1, 1}, after[3] = {1, 1, 1};
+        CHECK(adam.step(h, t.p.data(), t.m.data(), t.v.data(), t.grad.data(), mlp::DType::kBFloat16, nullptr,
+                        mlp::DType::kBFloat16, n, threads, after, before) == 0, "step");
+        const float* arrays[3] = {t.p.data(), t.m.data(), t.v.data()};
+        for (int a = 0; a < 3; ++a) {
+            CHECK(before[a] == want_before[a], "threads %d array %d: before %08x != %08x", threads, a, before[a],
+                  want_before[a]);
+            CHECK(after[a] == mlp::crc32c(arrays[a], n * 4), "threads %d array %d: after", threads, a);
+        }
+        std::uint32_t only_before[3] = {0, 0, 0};
+        State u = s;
+        CHECK(adam.step(h, u.p.data(), u.m.data(), u.v.data(), u.grad.data(), mlp::DType::kBFloat16, nullptr,
+                        mlp::DType::kBFloat16, n, threads, nullptr, only_before) == 0, "step");
+        CHECK(std::memcmp(only_before, want_before, sizeof want_before) == 0, "threads %d: before only", threads);
+        CHECK(u.p == t.p && u.m == t.m && u.v == t.v, "threads %d: checksums changed the update", threads);
+    }
+}
+
 }  // namespace
 
 int main() {
@@ -203,6 +233,7 @@ int main() {
     test_conversions();
     test_pool_covers_every_element_once();
     test_crc32c();
+    test_step_checksums_before_and_after();
     if (g_failures) {
         std::fprintf(stderr, "test_cpu_adam: %d failure(s)\n", g_failures);
         return 1;

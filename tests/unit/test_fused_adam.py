@@ -460,7 +460,30 @@ def test_checksums_are_the_crc32c_of_the_updated_arrays_and_change_nothing_else(
     assert crcs == tuple(crc32c(t) for t in state)
 
 
+@pytest.mark.parametrize("n", [1, 4097, 3 * 4096 + 5, 1_000_003])
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("after", [False, True], ids=["before-only", "before-and-after"])
+def test_input_checksums_are_the_crc32c_of_the_arrays_before_the_update(isa, n, num_threads, after):
+    # What a fetched region is verified against: each tile is checksummed just before the kernel
+    # updates it, so the pieces must join into crc32c of the arrays as they were.
+    from megatron_mlp.optim.checksum import crc32c
+    gen = torch.Generator().manual_seed(n + 1)
+    state = [torch.randn(n, generator=gen), torch.rand(n, generator=gen), torch.rand(n, generator=gen)]
+    want = tuple(crc32c(t) for t in state)
+    grad = (torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16)
+    plain = [t.clone() for t in state]
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=3, num_threads=num_threads)
+    before, crcs = fa.fused_adam_step(*state, grad, checksums=after, input_checksums=True, **hyper)
+    fa.fused_adam_step(*plain, grad, **hyper)
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), state, plain):
+        assert_bitwise_equal(a, b, name)
+    assert before == want
+    assert crcs == (tuple(crc32c(t) for t in state) if after else None)
+
+
 def test_checksums_of_an_empty_range_are_those_of_empty_arrays():
     empty = [torch.empty(0) for _ in range(3)]
     assert fa.fused_adam_step(*empty, torch.empty(0, dtype=torch.bfloat16), lr=1e-3, beta1=0.9, beta2=0.999,
                               eps=1e-8, weight_decay=0.0, step=1, checksums=True) == (0, 0, 0)
+    assert fa.fused_adam_step(*empty, torch.empty(0, dtype=torch.bfloat16), lr=1e-3, beta1=0.9, beta2=0.999,
+                              eps=1e-8, weight_decay=0.0, step=1, input_checksums=True) == ((0, 0, 0), None)

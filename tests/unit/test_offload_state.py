@@ -173,24 +173,34 @@ def test_failed_flush_keeps_new_state_in_memory_and_previous_copy_readable(tier_
         assert_state_equal(opt, ref)
 
 
-def test_checksum_mismatch_raises_naming_tier_file_and_subgroup(tier_dirs):
+@pytest.mark.parametrize("where", [100, 4000 + 10, 2 * 4096 + 3], ids=["in-param", "in-padding", "in-exp-avg"])
+def test_checksum_mismatch_raises_naming_tier_file_and_subgroup(tier_dirs, where):
+    """The step verifies a fetched region in the kernel pass that updates it: a corrupt byte
+    anywhere in it (the arrays, or the alignment padding the kernel never touches) raises before
+    the subgroup is handed out or written back."""
     opt, _ = make(tier_dirs, 1, subgroup_params=1000, host_cache_bytes=0)
     with opt:
         opt.step(grads_for(0, torch.bfloat16))
         store = opt.stores[0]
         sg = opt.plan[4]
+        assert sg.index not in opt._resident, "the test needs a subgroup the next step reads"
         rec = store.records[sg.index]
+        generation = rec.generation
         fd = os.open(store.file_path, os.O_RDWR)
         try:
-            pos = rec.offsets[rec.current] + 100
+            pos = rec.offsets[rec.current] + where
             byte = os.pread(fd, 1, pos)
             os.pwrite(fd, bytes([byte[0] ^ 0xFF]), pos)
         finally:
             os.close(fd)
+        done = []
         with pytest.raises(IntegrityError) as info:
-            opt.step(grads_for(1, torch.bfloat16))
+            opt.step(grads_for(1, torch.bfloat16), on_subgroup_done=lambda a, b: done.append((a, b)))
         msg = str(info.value)
         assert f"subgroup {sg.index}" in msg and store.file_path in msg and f"tier {store.path}" in msg
+        assert (sg.start, sg.end) not in done, "params computed from a corrupt region were handed out"
+        assert store.records[sg.index].generation == generation, "a corrupt region was written back"
+        assert opt.pool.in_use == len(opt._resident), "the buffer of the corrupt region was not given back"
         with pytest.raises(IntegrityError):
             opt.read_range(sg.start, sg.end)
 

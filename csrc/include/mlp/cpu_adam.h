@@ -145,10 +145,12 @@ public:
     // When `crcs` is not null it receives the CRC-32C of the updated param, exp_avg and
     // exp_avg_sq arrays (n * 4 bytes each), computed tile by tile while the tile is still in
     // cache: the write-back needs them, and a separate pass would stream the state through
-    // memory once more. Returns 0 or -EINVAL.
+    // memory once more. When `in_crcs` is not null it receives the CRC-32C of the three arrays
+    // as they were before the update, computed the same way: a region read back from storage is
+    // verified by the pass that updates it instead of a pass of its own. Returns 0 or -EINVAL.
     int step(const AdamHyper& hyper, float* param, float* exp_avg, float* exp_avg_sq, const void* grad,
              DType grad_dtype, void* out, DType out_dtype, std::size_t n, int num_threads = 0,
-             std::uint32_t* crcs = nullptr);
+             std::uint32_t* crcs = nullptr, std::uint32_t* in_crcs = nullptr);
 
     int grad_stats(const void* grad, DType dtype, std::size_t n, GradStats* out, int num_threads = 0);
 

@@ -86,7 +86,8 @@ void bind_adam(py::module_& m) {
             [](CpuAdam& a, std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
                std::uintptr_t grad, int grad_dtype, std::uintptr_t out, int out_dtype, std::size_t n, double lr,
                double beta1, double beta2, double eps, double weight_decay, std::int64_t step,
-               double inv_loss_scale, double clip_coef, int num_threads, bool checksums) -> py::object {
+               double inv_loss_scale, double clip_coef, int num_threads, bool checksums,
+               bool input_checksums) -> py::object {
                 AdamHyper h;
                 h.lr = lr;
                 h.beta1 = beta1;
@@ -97,24 +98,27 @@ void bind_adam(py::module_& m) {
                 h.inv_loss_scale = inv_loss_scale;
                 h.clip_coef = clip_coef;
                 const DType gdt = to_dtype(grad_dtype), odt = to_dtype(out_dtype);
-                std::uint32_t crcs[3] = {0, 0, 0};
+                std::uint32_t crcs[3] = {0, 0, 0}, in_crcs[3] = {0, 0, 0};
                 int rc;
                 {
                     py::gil_scoped_release release;
                     rc = a.step(h, ptr<float>(param), ptr<float>(exp_avg), ptr<float>(exp_avg_sq),
                                 ptr<const void>(grad), gdt, out ? ptr<void>(out) : nullptr, odt, n, num_threads,
-                                checksums ? crcs : nullptr);
+                                checksums ? crcs : nullptr, input_checksums ? in_crcs : nullptr);
                 }
                 check(rc, "fused Adam step");
-                if (!checksums) return py::none();
-                return py::make_tuple(crcs[0], crcs[1], crcs[2]);
+                py::object after = checksums ? py::object(py::make_tuple(crcs[0], crcs[1], crcs[2])) : py::none();
+                if (!input_checksums) return after;
+                return py::make_tuple(py::make_tuple(in_crcs[0], in_crcs[1], in_crcs[2]), after);
             },
             py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"), py::arg("grad_dtype"),
             py::arg("out"), py::arg("out_dtype"), py::arg("numel"), py::arg("lr"), py::arg("beta1"),
             py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
             py::arg("inv_loss_scale"), py::arg("clip_coef"), py::arg("num_threads"), py::arg("checksums") = false,
+            py::arg("input_checksums") = false,
             "One AdamW step; with checksums=True returns the CRC-32C of the updated (param, exp_avg, "
-            "exp_avg_sq), computed while each tile is in cache, else None.")
+            "exp_avg_sq), computed while each tile is in cache, else None; with input_checksums=True "
+            "returns (CRC-32C of the three before the update, that result).")
         .def(
             "grad_stats",
             [](CpuAdam& a, std::uintptr_t grad, int dtype, std::size_t n, int num_threads) {
