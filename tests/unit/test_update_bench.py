@@ -163,3 +163,13 @@ def test_zero3_baseline_computes_the_same_adamw_as_torch(disk_dir):
         base.close()
         eng.close()
     assert os.listdir(disk_dir) == []
+
+
+def test_medians_leave_out_the_two_warm_up_steps_when_there_are_more():
+    # The first step fills the host pool; the second writes one end's second slots for the first
+    # time (fresh extents). Neither recurs, so neither counts, on any side.
+    assert update.WARMUP_STEPS == 2
+    assert update._steady([9.0, 5.0, 1.0, 2.0, 3.0]) == (2.0, 1.0, 3.0)
+    assert update._steady([9.0, 5.0, 1.0]) == (1.0, 1.0, 1.0)
+    assert update._steady([9.0, 5.0]) == (5.0, 5.0, 5.0)   # too few: only the first is left out
+    assert update._steady([9.0]) == (9.0, 9.0, 9.0)
