@@ -195,6 +195,7 @@ class Placement:
         if self.cache_model == "alternate":
             lines.append(f"host cache: {human_bytes(self.cached_bytes)} of a {human_bytes(self.host_cache_bytes)} "
                          f"budget per rank; alternating order: {len(self.cached_subgroups())} subgroups at the ends "
+                         f"{'(with the working buffers) ' if self.warm_subgroups else ''}"
                          "skip a read or a write every iteration")
             if self.warm_subgroups:
                 lines.append(f"working buffers: {self.warm_subgroups} more subgroups next to the cached end are "
