@@ -285,6 +285,12 @@ int CpuAdam::step(const AdamHyper& hyper, float* param, float* exp_avg, float* e
     };
     const bool tiled = crcs || in_crcs;
     std::vector<PieceCrc> parts(tiled ? static_cast<std::size_t>(k) : 0);
+    // Extends the running CRCs of the three arrays by elements [i, i + len).
+    auto checksum_tile = [&](std::uint32_t* crc, std::size_t i, std::size_t len) {
+        crc[0] = crc32c(param + i, len * 4, crc[0]);
+        crc[1] = crc32c(exp_avg + i, len * 4, crc[1]);
+        crc[2] = crc32c(exp_avg_sq + i, len * 4, crc[2]);
+    };
     pool_.run(k, [&](int t) {
         std::size_t b, e;
         piece(n, k, t, &b, &e);
@@ -292,21 +298,12 @@ int CpuAdam::step(const AdamHyper& hyper, float* param, float* exp_avg, float* e
         for (std::size_t i = b; i < e; i += tile) {
             const std::size_t len = std::min(tile, e - i);
             void* o = out ? static_cast<char*>(out) + i * ob : nullptr;
-            if (in_crcs) {
-                PieceCrc& part = parts[static_cast<std::size_t>(t)];
-                part.in[0] = crc32c(param + i, len * 4, part.in[0]);
-                part.in[1] = crc32c(exp_avg + i, len * 4, part.in[1]);
-                part.in[2] = crc32c(exp_avg_sq + i, len * 4, part.in[2]);
-            }
+            if (in_crcs) checksum_tile(parts[static_cast<std::size_t>(t)].in, i, len);
             adam_update_range(isa, s, param + i, exp_avg + i, exp_avg_sq + i,
                               static_cast<const char*>(grad) + i * gb, grad_dtype, o, out_dtype, len);
             if (!tiled) continue;
             PieceCrc& part = parts[static_cast<std::size_t>(t)];
-            if (crcs) {
-                part.out[0] = crc32c(param + i, len * 4, part.out[0]);
-                part.out[1] = crc32c(exp_avg + i, len * 4, part.out[1]);
-                part.out[2] = crc32c(exp_avg_sq + i, len * 4, part.out[2]);
-            }
+            if (crcs) checksum_tile(part.out, i, len);
             part.bytes += len * 4;
         }
     });

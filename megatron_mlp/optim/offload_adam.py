@@ -593,7 +593,8 @@ class OffloadAdam:
             grad = upcast
             stats.upcast_s += time.perf_counter() - t0
         out = params_out[sg.start:sg.end] if params_out is not None else None
-        check = verify is not None and verify[0].checksum and verify[1][2] is not None
+        store, snapshot = verify if verify is not None else (None, None)
+        check = store is not None and store.checksum and snapshot[2] is not None   # [2]: the recorded crc32c
         crcs = fused_adam_step(views["param"], views["exp_avg"], views["exp_avg_sq"], grad, out,
                                lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
                                weight_decay=hyper["weight_decay"], step=hyper["step"],
@@ -603,7 +604,6 @@ class OffloadAdam:
         if check:
             before, crcs = crcs
             # The padding after each array is not touched by the kernel: it is read here as stored.
-            store, snapshot = verify
             store.verify_checksum(sg, snapshot, region_crc32c(region, sg.numel * 4, sg.padded_numel * 4, before))
         if not checksum:
             return None

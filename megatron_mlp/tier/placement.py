@@ -29,9 +29,9 @@ Pure Python, no I/O. The model, per tier ``j`` and per optimizer step:
 Assignment: greedy longest-processing-time first (largest movers first, each onto the tier whose
 finish time grows least, respecting capacity), then local improvement (move or swap subgroups off
 the bottleneck tier while that lowers the maximum). Single moves and swaps can stall at a local
-optimum: with a cache and warm buffers the subgroups at the two ends of the order move different
-bytes, and the best layout may need two of them moved at once (8 subgroups on a disk and an emulated
-1 GB/s tier: 0.99 s where 0.80 s was possible). So when the subgroups fall into few *kinds* (the
+optimum: with a cache the subgroups at the two ends of the order move different bytes, and the
+best layout may need two of them moved at once (four subgroups, one twice the size of the others,
+over a disk-like tier and a duplex one with two cached: 36 % above the best). So when the subgroups fall into few *kinds* (the
 same bytes moved in every iteration and the same size: interchangeable for the model), every
 split of each kind's count over the tiers is tried, which is exact; only when the combinations
 are too many (thousands of subgroups of many kinds) does the local search decide alone.
