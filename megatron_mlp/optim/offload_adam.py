@@ -25,6 +25,13 @@ subgroup outside the cache took seven writes. Each update is written back at mos
 is lost: a subgroup held this way is written (to its free slot) before its buffer is reused, and
 stays in host memory if that write fails.
 
+The two ends of a step stream in pieces (``Subgroup.pieces``): with the pool full at the start,
+no read can begin before a write-back frees a buffer, so the first subgroup to be written back
+leaves piece by piece right behind its kernel (``TierStore.flush_streamed``); and the last
+subgroup to be read is updated piece by piece as its pieces land (``TierStore.fetch_streamed``),
+its read check joined from the pieces'. The storage then works from the step's first
+milliseconds to its last instead of waiting for a whole kernel at each end.
+
 Framework-agnostic: plain CPU torch tensors in, nothing Megatron-specific (see megatron/ for that).
 """
 from __future__ import annotations
@@ -47,7 +54,7 @@ from megatron_mlp.optim.placement import assign_subgroups, placement_tiers, warm
 from megatron_mlp.optim.schedule import cache_slots, iteration_order, kept_in_cache
 from megatron_mlp.optim.stats import StepStats, TierStepStats
 from megatron_mlp.optim.store import TierStore
-from megatron_mlp.optim.subgroups import STATE_NAMES, Subgroup, SubgroupPlan
+from megatron_mlp.optim.subgroups import STATE_NAMES, Subgroup, SubgroupPlan, piece_params_for
 
 logger = logging.getLogger("megatron_mlp.optim.offload_adam")
 GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -140,6 +147,9 @@ class OffloadAdam:
         self.uses_warm_buffers = warm_subgroups(config) > 0
         self.keep_slots = self.cache_slots + (self.working_buffers if self.uses_warm_buffers else 0)
         self._held_by_working: set[int] = set()   # kept by the working buffers beyond the cache budget
+        # Pieces a subgroup streams in at a step's end and out at its start (module doc).
+        piece_params = piece_params_for(config.subgroup_params, config.block_bytes)
+        self._pieces = {sg.index: sg.pieces(piece_params) for sg in self.plan}
         self._upcast_buffer = None
         self._write_initial(initial_params)
 
@@ -362,11 +372,26 @@ class OffloadAdam:
         depth = self.config.prefetch_depth + 1
         max_flushes = self.config.flush_depth
         remaining = list(order)
-        fetching: dict[int, tuple] = {}              # idx -> (future, buffer)
+        fetching: dict[int, tuple] = {}              # idx -> (future, buffer, [future per piece])
         flushing: dict = {}                          # future -> (subgroup, store, buffer)
         errors: list = []
         # Subgroups still to fetch, in order (cached ones need no fetch).
         to_fetch = [i for i in order if i not in resident]
+
+        streaming: list = []   # the fetch the kernel is following piece by piece, if any
+
+        def io_busy() -> bool:
+            return any(not f.done() for f, _, _ in fetching.values()) or any(not f.done() for f in flushing) \
+                or any(not f.done() for f in streaming)
+
+        def kernel_threads() -> int:
+            # While a tier moves data the kernel leaves a core to the I/O path (threads_beside_io).
+            return threads_beside_io(io_busy(), self.config.adam_threads)
+
+        def start_fetch(idx, buf):
+            fut, landed = self._store_of[self.tier_of[idx]].fetch_streamed(plan[idx], buf, self._pieces[idx])
+            fetching[idx] = (fut, buf, landed)
+
         try:
             while remaining:
                 # Issue fetches within the prefetch window and the buffer budget. Prefer the next
@@ -378,13 +403,20 @@ class OffloadAdam:
                     if buf is None:
                         break
                     to_fetch.remove(idx)
-                    store = self._store_of[self.tier_of[idx]]
-                    fetching[idx] = (store.fetch(plan[idx], buf, verify=False), buf)
+                    start_fetch(idx, buf)
                 self._reap(flushing, errors, block=False)
                 pick = self._first_ready(remaining, fetching, flushing, keep)
+                landed = None   # the pieces to wait for, when the kernel follows a read still landing
+                if pick is None and len(remaining) == 1 and remaining[0] in fetching \
+                        and len(self._pieces[remaining[0]]) > 1:
+                    # The step's last subgroup is still being read: update it piece by piece as
+                    # the pieces land, so that the step ends one piece's kernel after its last
+                    # read, not one subgroup's.
+                    pick = remaining[0]
+                    landed = fetching[pick][2]
                 if pick is None:
                     t0 = time.perf_counter()
-                    waitables = [f for f, _ in fetching.values()] + list(flushing)
+                    waitables = [f for f, _, _ in fetching.values()] + list(flushing)
                     if waitables:
                         # Wake up now and then: a tier may have become token-busy meanwhile,
                         # which lets another tier's subgroup be fetched (see _stalled).
@@ -393,15 +425,14 @@ class OffloadAdam:
                     else:
                         # Only retained (failed-flush) buffers hold the pool: go over budget rather than stall.
                         idx = to_fetch.pop(0)
-                        store = self._store_of[self.tier_of[idx]]
-                        buf = pool.try_acquire(force=True)
-                        fetching[idx] = (store.fetch(plan[idx], buf, verify=False), buf)
+                        start_fetch(idx, pool.try_acquire(force=True))
                     stats.wait_s += time.perf_counter() - t0
                     continue
                 remaining.remove(pick)
                 sg = plan[pick]
                 store = self._store_of[self.tier_of[pick]]
-                snapshot = None   # of the record read, when the kernel verifies what was fetched
+                verify = None     # (store, record snapshot or the fetch's Future) of a fetched subgroup
+                streamed_flush = None
                 if pick in resident:
                     buf = resident.pop(pick)
                     if pick in held_by_working:
@@ -410,36 +441,49 @@ class OffloadAdam:
                     else:
                         stats.cache_hits += 1
                         store.stats.add(cache_hits=1)
+                    if pick not in keep and len(self._pieces[pick]) > 1 \
+                            and not self._write_lane_busy(store, fetching, flushing):
+                        # Its tier has nothing to do until this kernel ends (at a step's start the
+                        # pool is full, so no read can start before a write-back frees a buffer):
+                        # write each piece back as soon as the kernel has updated it. Only a
+                        # resident subgroup: a fetched one must pass its read check, which the
+                        # kernel completes only with the last piece, before anything is written.
+                        streamed_flush = store.flush_streamed(sg, buf, self._pieces[pick])
+                        stats.streamed_writes += 1
                 else:
-                    fut, buf = fetching.pop(pick)
-                    try:
-                        snapshot = fut.result()
-                    except BaseException as e:
-                        if getattr(e, "errno", None) == errno.ETIMEDOUT:
-                            pool.abandon(buf)    # the timed-out read may still write into it
-                        else:
-                            pool.release(buf)
-                        raise
-                # While a tier moves data the kernel leaves a core to the I/O path (threads_beside_io).
-                io_busy = any(not f.done() for f, _ in fetching.values()) or any(not f.done() for f in flushing)
-                stats.kernels_beside_io += io_busy
-                t0 = time.perf_counter()
+                    fut, buf, _ = fetching.pop(pick)
+                    streaming[:] = [fut] if landed is not None else []
+                    stats.streamed_reads += landed is not None
+                    if landed is None:
+                        try:
+                            verify = (store, fut.result())
+                        except BaseException as e:
+                            self._drop_fetch_buffer(fut, buf, e)
+                            raise
+                    else:
+                        verify = (store, fut)   # its result, the snapshot, once the last piece landed
+                stats.kernels_beside_io += io_busy()
                 # A region to be written back gets its crc32c from the kernel, which checksums each
                 # tile while it is in cache; a separate pass would stream it through memory again.
                 try:
                     crc = self._update(sg, buf, grads, params_out, hyper[sg.group], inv_loss_scale, clip_coef,
-                                       stats, checksum=store.checksum and pick not in keep,
-                                       threads=threads_beside_io(io_busy, self.config.adam_threads),
-                                       verify=(store, snapshot) if snapshot is not None else None)
+                                       stats, checksum=store.checksum and pick not in keep, threads=kernel_threads,
+                                       verify=verify, pieces=self._pieces[pick] if landed or streamed_flush else None,
+                                       landed=landed, written=streamed_flush.write_piece if streamed_flush else None)
+                except _FetchFailed as e:
+                    self._drop_fetch_buffer(fut, buf, e.__cause__)
+                    raise e.__cause__ from None
                 except IntegrityError:
                     pool.release(buf)   # updated from corrupt data: never handed out nor written back
                     raise
-                stats.compute_s += time.perf_counter() - t0
                 stats.subgroups += 1
                 if on_subgroup_done is not None:
                     on_subgroup_done(sg.start, sg.end)
                 if pick in keep:
                     resident[pick] = buf
+                    continue
+                if streamed_flush is not None:
+                    flushing[streamed_flush.finish(crc)] = (sg, store, buf)
                     continue
                 t0 = time.perf_counter()
                 # The window is per tier: a slow tier's write-backs must not hold up the
@@ -451,7 +495,7 @@ class OffloadAdam:
                 flushing[store.flush(sg, buf, crc=crc)] = (sg, store, buf)
         finally:
             # Never leave I/O running against buffers we are about to reuse.
-            for fut, buf in fetching.values():
+            for fut, buf, _ in fetching.values():
                 try:
                     fut.result()
                 except BaseException as e:  # noqa: BLE001
@@ -465,14 +509,29 @@ class OffloadAdam:
             stats.drain_s = time.perf_counter() - t0
         return errors
 
+    def _drop_fetch_buffer(self, fut, buf, error) -> None:
+        """Give back the buffer of a fetch that failed, once no request of it can still fill it."""
+        if getattr(error, "errno", None) == errno.ETIMEDOUT:
+            self.pool.abandon(buf)    # the timed-out read may still write into it
+            return
+        wait_futures([fut])           # the fetch ends only after its last request
+        self.pool.release(buf)
+
+    def _write_lane_busy(self, store, fetching, flushing) -> bool:
+        """Whether ``store``'s write lane has a request queued or running (on a one-lane tier, a read too)."""
+        if any(tier is store and not f.done() for f, (_, tier, _) in flushing.items()):
+            return True
+        return not store.split_lanes and any(
+            not f.done() and self._store_of[self.tier_of[idx]] is store for idx, (f, _, _) in fetching.items())
+
     @staticmethod
     def _in_flight(fetching) -> int:
-        return sum(1 for fut, _ in fetching.values() if not fut.done())
+        return sum(1 for fut, _, _ in fetching.values() if not fut.done())
 
     def _stalled(self, fetching) -> int:
         """Fetches waiting for a token another rank holds: they do not count against the prefetch
         window (the pool still bounds the memory), so the pipeline can work on other tiers."""
-        return sum(1 for idx, (fut, _) in fetching.items()
+        return sum(1 for idx, (fut, _, _) in fetching.items()
                    if not fut.done() and self._store_of[self.tier_of[idx]].token_busy)
 
     def _next_fetch(self, to_fetch, keep):
@@ -499,7 +558,7 @@ class OffloadAdam:
         if not ready:
             return None
         busy = {id(store) for _, store, _ in flushing.values()}
-        for idx, (fut, _) in fetching.items():
+        for idx, (fut, _, _) in fetching.items():
             store = self._store_of[self.tier_of[idx]]
             if not fut.done() and not store.split_lanes:   # a read in flight occupies a one-lane tier
                 busy.add(id(store))
@@ -570,17 +629,27 @@ class OffloadAdam:
         return buf
 
     def _update(self, sg: Subgroup, buf, grads, params_out, hyper, inv_loss_scale, clip_coef, stats,
-                checksum: bool = False, threads: int = 0, verify=None) -> int | None:
-        """The fused AdamW step on ``sg`` in ``buf`` on ``threads`` threads (0: the whole pool); with
-        ``checksum``, returns the region's crc32c.
+                checksum: bool = False, threads=0, verify=None, pieces=None, landed=None,
+                written=None) -> int | None:
+        """The fused AdamW step on ``sg`` in ``buf``; with ``checksum``, returns the region's crc32c.
+        Adds its time to ``stats`` (compute, and waiting for pieces still being read).
 
-        ``verify``: ``(store, snapshot)`` of the fetch that filled ``buf``: the kernel also checksums
-        the state as it was, tile by tile just before updating it, and a mismatch with the record
-        raises ``IntegrityError`` -- after the kernel has run (its ``params_out`` slice is then
-        unusable) but before the caller is told the subgroup is done or anything is written back.
-        A separate pass would stream the region through memory once more, beside the kernel."""
-        from megatron_mlp.optim.checksum import region_crc32c
+        ``threads``: kernel threads (0: the whole pool), or a callable giving them for each call.
+        ``verify``: ``(store, snapshot)`` of the fetch that filled ``buf`` (or the fetch's Future,
+        whose result is the snapshot): the kernel also checksums the state as it was, tile by tile
+        just before updating it, and a mismatch with the record raises ``IntegrityError`` -- after
+        the kernel has run (its ``params_out`` slice is then unusable) but before the caller is told
+        the subgroup is done or anything is written back. A separate pass would stream the region
+        through memory once more, beside the kernel.
+        ``pieces``: element bounds to update one after the other (``Subgroup.pieces``), each call
+        waiting first for ``landed[k]`` (the piece's read, which raises ``_FetchFailed`` if it
+        failed) and then telling ``written(k)`` (the piece's write-back may start). The result does
+        not depend on the pieces: the update is elementwise and the checksums are joined.
+        """
+        from megatron_mlp.optim.checksum import crc32c_combine, region_crc32c
         from megatron_mlp.optim.fused_adam import fused_adam_step
+        t_start = time.perf_counter()
+        waited = 0.0
         views = _views(sg, buf)
         grad = grads[sg.start:sg.end]
         if not self.config.deferred_upcast and grad.dtype != torch.float32:
@@ -594,20 +663,44 @@ class OffloadAdam:
             stats.upcast_s += time.perf_counter() - t0
         out = params_out[sg.start:sg.end] if params_out is not None else None
         store, snapshot = verify if verify is not None else (None, None)
-        check = store is not None and store.checksum and snapshot[2] is not None   # [2]: the recorded crc32c
-        crcs = fused_adam_step(views["param"], views["exp_avg"], views["exp_avg_sq"], grad, out,
-                               lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
-                               weight_decay=hyper["weight_decay"], step=hyper["step"],
-                               inv_loss_scale=float(inv_loss_scale), clip_coef=float(clip_coef), checksums=checksum,
-                               num_threads=threads, input_checksums=check)
+        check = store is not None and store.checksum and (not isinstance(snapshot, tuple) or snapshot[2] is not None)
+        before = after = (0, 0, 0)
+        for k, (lo, hi) in enumerate(pieces or ((0, sg.numel),)):
+            if landed is not None:
+                t0 = time.perf_counter()
+                try:
+                    landed[k].result()
+                except BaseException as e:
+                    raise _FetchFailed() from e
+                waited += time.perf_counter() - t0
+            crcs = fused_adam_step(views["param"][lo:hi], views["exp_avg"][lo:hi], views["exp_avg_sq"][lo:hi],
+                                   grad[lo:hi], out[lo:hi] if out is not None else None,
+                                   lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
+                                   weight_decay=hyper["weight_decay"], step=hyper["step"],
+                                   inv_loss_scale=float(inv_loss_scale), clip_coef=float(clip_coef),
+                                   checksums=checksum, num_threads=threads() if callable(threads) else threads,
+                                   input_checksums=check)
+            if check:
+                piece_before, crcs = crcs
+                before = tuple(crc32c_combine(a, b, (hi - lo) * 4) for a, b in zip(before, piece_before))
+            if checksum:
+                after = tuple(crc32c_combine(a, b, (hi - lo) * 4) for a, b in zip(after, crcs))
+            if written is not None:
+                written(k)
+        stats.wait_s += waited
+        stats.compute_s += time.perf_counter() - t_start - waited
         region = buf.torch(torch.uint8)[: sg.region_bytes]
         if check:
-            before, crcs = crcs
+            if not isinstance(snapshot, tuple):
+                try:
+                    snapshot = snapshot.result()   # the streamed fetch: done with its last piece
+                except BaseException as e:
+                    raise _FetchFailed() from e
             # The padding after each array is not touched by the kernel: it is read here as stored.
             store.verify_checksum(sg, snapshot, region_crc32c(region, sg.numel * 4, sg.padded_numel * 4, before))
         if not checksum:
             return None
-        return region_crc32c(region, sg.numel * 4, sg.padded_numel * 4, crcs)
+        return region_crc32c(region, sg.numel * 4, sg.padded_numel * 4, after)
 
     def _hyper(self, g: int) -> dict:
         group = self.param_groups[g]
@@ -668,6 +761,11 @@ class OffloadAdam:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("OffloadAdam is closed")
+
+
+class _FetchFailed(Exception):
+    """Raised by ``_update`` when the read it streams from failed (the cause): the pipeline then
+    gives back the buffer as for any failed fetch and raises the cause."""
 
 
 class _SubgroupAccess:

@@ -57,6 +57,8 @@ class StepStats:
     warm_hits: int = 0           # subgroups a working buffer carried over from the last step (no fetch)
     subgroups: int = 0
     kernels_beside_io: int = 0   # kernels run while a tier had I/O in flight (one core left to it)
+    streamed_reads: int = 0      # subgroups updated piece by piece as their read landed (a step's last)
+    streamed_writes: int = 0     # write-backs started piece by piece behind the kernel (a step's first)
     order: str = "ascending"
     skipped: bool = False
     peak_host_bytes: int = 0
@@ -69,7 +71,8 @@ class StepStats:
             "step_s": self.step_s, "compute_s": self.compute_s, "wait_s": self.wait_s,
             "drain_s": self.drain_s, "upcast_s": self.upcast_s, "cache_hits": self.cache_hits,
             "warm_hits": self.warm_hits, "subgroups": self.subgroups,
-            "kernels_beside_io": self.kernels_beside_io, "order": self.order, "skipped": self.skipped,
+            "kernels_beside_io": self.kernels_beside_io, "streamed_reads": self.streamed_reads,
+            "streamed_writes": self.streamed_writes, "order": self.order, "skipped": self.skipped,
             "bytes_moved": moved, "gbps": moved / self.step_s / 1e9 if self.step_s > 0 else 0.0,
             "peak_host_bytes": self.peak_host_bytes, "host_limit_bytes": self.host_limit_bytes,
             "tiers": tiers,

@@ -1,5 +1,6 @@
 """One tier as the optimizer sees it: a scratch file of subgroup regions, two slots per subgroup,
-and an I/O lane that moves whole regions with the engine.
+and an I/O lane that moves whole regions with the engine (or a region's pieces, at a step's ends:
+``fetch_streamed``, ``flush_streamed``).
 
 Write discipline (nothing lost): each subgroup owns two slots in its tier's file. A flush writes
 the slot that does *not* hold the current good copy; only when the engine reports the whole
@@ -191,6 +192,38 @@ class TierStore:
         self._read_lane.submit(read)
         return done
 
+    def fetch_streamed(self, sg: Subgroup, buffer, pieces) -> tuple[Future, list[Future]]:
+        """``fetch(verify=False)`` that also tells when each piece has landed.
+
+        ``pieces``: element bounds ``[(lo, hi), ...]`` tiling the subgroup (``Subgroup.pieces``).
+        The requests of every piece are submitted at once, in piece order, so the engine's queue
+        stays as full as for one request of the whole region. Returns the whole fetch's Future
+        (result: the record snapshot, as ``fetch(verify=False)``) and one Future per piece, done
+        when that piece's bytes are in ``buffer``: the kernel can update the first pieces while the
+        last ones are still being read. A failure fails the whole and every piece not yet done.
+        """
+        done: Future = Future()
+        landed: list[Future] = [Future() for _ in pieces]
+
+        def read():
+            try:
+                rec = self._read(sg, buffer, pieces, lambda k: landed[k].set_result(None))
+            except BaseException as e:  # noqa: BLE001 -- delivered through the futures
+                for f in landed:
+                    if not f.done():
+                        f.set_exception(e)
+                done.set_exception(e)
+                return
+            done.set_result(rec)
+
+        self._read_lane.submit(read)
+        return done, landed
+
+    def flush_streamed(self, sg: Subgroup, buffer, pieces) -> "StreamedFlush":
+        """A write-back of ``sg`` that starts before the kernel has finished the region: see
+        ``StreamedFlush``. Same slot discipline as ``flush``."""
+        return StreamedFlush(self, sg, self._region(sg, buffer), tuple(pieces))
+
     def flush(self, sg: Subgroup, buffer, crc: int | None = None) -> Future:
         """Write ``buffer`` to the free slot of ``sg``, then switch the record; returns a Future.
 
@@ -252,17 +285,23 @@ class TierStore:
         finally:
             token.release()
 
-    def _read(self, sg: Subgroup, buffer):
+    def _read(self, sg: Subgroup, buffer, pieces=None, on_piece=None):
         rec = self.records[sg.index]
         if rec.current is None:
             raise AssertionError(f"subgroup {sg.index} was never written to {self.file_path}")
         snapshot = (rec.current, rec.offsets[rec.current], rec.crc, rec.generation)
         region = self._region(sg, buffer)
+        offset = snapshot[1]
 
         def read():
             t0 = time.perf_counter()
-            self._io(lambda: self.engine.read(self.handle, region, snapshot[1]), "read", snapshot[1],
-                     sg.region_bytes)
+            if pieces is None or len(pieces) < 2:
+                self._io(lambda: self.engine.read(self.handle, region, offset), "read", offset, sg.region_bytes)
+                if on_piece is not None:
+                    on_piece(0)
+            else:
+                self._io_pieces(lambda rel, n: self.engine.read(self.handle, region, offset + rel, n, rel), "read",
+                                offset, [sg.piece_ranges(lo, hi) for lo, hi in pieces], on_piece)
             self.stats.add(fetch_s=time.perf_counter() - t0, bytes_read=sg.region_bytes, fetches=1)
 
         self._with_token(self.token, read)
@@ -329,22 +368,62 @@ class TierStore:
     def _io(self, submit, op: str, offset: int, length: int) -> None:
         """Run one engine request to completion: bounded by ``io_timeout_s`` (ETIMEDOUT, never an
         eternal wait) and retried once after an error other than ENOSPC / a timeout."""
-        for attempt in (0, 1):
-            try:
-                req = submit()
+        try:
+            self._wait(submit(), op, offset, length)
+        except TierIOError as e:
+            self._retry(e, submit, op, offset, length)
+
+    def _io_pieces(self, submit, op: str, offset: int, pieces, on_piece=None) -> None:
+        """Run the requests of several pieces, all submitted at once; ``on_piece(k)`` as soon as
+        every request of piece ``k`` (and of the pieces before it) is done.
+
+        ``submit(rel, nbytes)`` starts the request of region bytes ``[rel, rel + nbytes)``;
+        ``pieces`` lists the ``(rel, nbytes)`` ranges of each piece. Each request is bounded and
+        retried as in ``_io``. On an error that stands, the requests still in flight are waited for
+        before it is raised: they use the caller's buffer (after a timeout the caller abandons the
+        buffer instead, so it is raised at once).
+        """
+        submitted = []
+        error = None
+        try:
+            for ranges in pieces:
+                submitted.append([(rel, n, submit(rel, n)) for rel, n in ranges])
+        except BaseException as e:  # noqa: BLE001 -- raised once the requests already started are done
+            error = e
+        for k, requests in enumerate(submitted):
+            for rel, n, req in requests:
                 try:
-                    req.wait(self.io_timeout_s)
-                except TimeoutError as e:
-                    raise TierIOError(errno.ETIMEDOUT, f"{op} on tier {self.path} not finished after "
-                                      f"{self.io_timeout_s} s (--mlp-offload-io-timeout)", self.file_path,
-                                      offset, length) from e
-                return
-            except TierIOError as e:
-                if attempt or e.errno in _NO_RETRY or self.failed:
-                    raise
-                self.stats.add(io_retries=1)
-                logger.warning("tier %s: %s failed (%s); retrying once (the good copy is untouched)",
-                               self.path, op, e)
+                    self._wait(req, op, offset + rel, n)
+                except TierIOError as e:
+                    if e.errno == errno.ETIMEDOUT:
+                        raise
+                    if error is None:
+                        try:
+                            self._retry(e, lambda rel=rel, n=n: submit(rel, n), op, offset + rel, n)
+                        except TierIOError as again:
+                            if again.errno == errno.ETIMEDOUT:
+                                raise
+                            error = again
+            if error is None and on_piece is not None:
+                on_piece(k)
+        if error is not None:
+            raise error
+
+    def _wait(self, req, op: str, offset: int, length: int) -> None:
+        try:
+            req.wait(self.io_timeout_s)
+        except TimeoutError as e:
+            raise TierIOError(errno.ETIMEDOUT, f"{op} on tier {self.path} not finished after "
+                              f"{self.io_timeout_s} s (--mlp-offload-io-timeout)", self.file_path,
+                              offset, length) from e
+
+    def _retry(self, error: TierIOError, submit, op: str, offset: int, length: int) -> None:
+        """The one retry of a failed request, or ``error`` again when it is not worth one."""
+        if error.errno in _NO_RETRY or self.failed:
+            raise error
+        self.stats.add(io_retries=1)
+        logger.warning("tier %s: %s failed (%s); retrying once (the good copy is untouched)", self.path, op, error)
+        self._wait(submit(), op, offset, length)
 
     def vanished(self) -> bool:
         """Whether the scratch file is gone from its path (deleted, or the directory replaced).
@@ -408,6 +487,67 @@ class TierStore:
                 self.write_engine.close()
             if remove and self.scratch is not None:
                 self.scratch.remove()
+
+
+class StreamedFlush:
+    """A write-back that the kernel feeds piece by piece (``TierStore.flush_streamed``).
+
+    ``write_piece(k)``: piece ``k`` of the region is final; its requests go to the tier's write lane
+    (holding the tier's token) behind whatever is queued there. ``finish(crc)``: every piece was
+    handed in; returns the Future of the whole flush, done once every piece is written and the
+    record has switched to the new slot -- exactly as ``flush``: until then the previous slot
+    stays the good copy, and a failed piece fails the flush with nothing switched. The first
+    write-back of a step starts this way after one piece of its kernel instead of the whole one,
+    while the tier would otherwise idle.
+    """
+
+    def __init__(self, store: TierStore, sg: Subgroup, region, pieces):
+        self.store, self.sg, self.region, self.pieces = store, sg, region, pieces
+        rec = store.records[sg.index]
+        self.slot = rec.next_slot     # fixed now: every piece must go to the same slot
+        self.offset = rec.offsets[self.slot]
+        self.error: BaseException | None = None
+        self.handed_in = 0
+
+    def write_piece(self, k: int) -> None:
+        if k != self.handed_in:
+            raise ValueError(f"StreamedFlush: piece {k} handed in after {self.handed_in} of {len(self.pieces)}")
+        self.handed_in += 1
+        self.store._write_lane.submit(self._write, k)
+
+    def finish(self, crc: int | None) -> Future:
+        if self.handed_in != len(self.pieces):
+            raise ValueError(f"StreamedFlush: finish after {self.handed_in} of {len(self.pieces)} pieces")
+        done: Future = Future()
+        self.store._write_lane.submit(self._finish, crc, done)   # the lane runs it after the pieces
+        return done
+
+    def _write(self, k: int) -> None:   # on the write lane
+        if self.error is not None:
+            return
+        store, sg = self.store, self.sg
+        try:
+            def write():
+                t0 = time.perf_counter()
+                store._io_pieces(lambda rel, n: store.write_engine.write(store.write_handle, self.region,
+                                                                         self.offset + rel, n, rel),
+                                 "write", self.offset, [sg.piece_ranges(*self.pieces[k])])
+                store.stats.add(flush_s=time.perf_counter() - t0)
+
+            store._with_token(store.write_token, write)
+        except BaseException as e:  # noqa: BLE001 -- delivered by finish()
+            self.error = e
+
+    def _finish(self, crc: int | None, done: Future) -> None:   # on the write lane, after every piece
+        store, rec = self.store, self.store.records[self.sg.index]
+        if self.error is not None:
+            done.set_exception(self.error)
+            return
+        store.stats.add(bytes_written=self.sg.region_bytes, flushes=1)
+        with store._lock:
+            # Switch only now: the old slot stayed the good copy until every piece was written.
+            rec.current, rec.crc, rec.generation = self.slot, (crc if store.checksum else None), rec.generation + 1
+        done.set_result(None)
 
 
 def _crc32c(region) -> int:

@@ -9,6 +9,11 @@ A subgroup's state is three fp32 arrays (param, exp_avg, exp_avg_sq). On storage
 buffers they are laid out as one *region*: ``[param | exp_avg | exp_avg_sq]``, each array padded
 to a multiple of 4096 bytes, so every array and every region starts 4096-aligned (O_DIRECT) and a
 subgroup moves with one read and one write.
+
+A region can also move in *pieces* (``Subgroup.pieces``): elements ``[lo, hi)`` of all three arrays,
+three aligned byte ranges of the region. The optimizer streams a subgroup this way when the kernel
+would otherwise wait for a whole region (the last read of a step) or a tier would wait for the
+whole kernel (the first write-back of a step).
 """
 from __future__ import annotations
 
@@ -53,6 +58,30 @@ class Subgroup:
     def state_bytes(self) -> int:
         """Bytes of real state (12 per element), without padding."""
         return len(STATE_NAMES) * self.numel * FP32_BYTES
+
+    def pieces(self, piece_params: int) -> tuple[tuple[int, int], ...]:
+        """Element bounds ``[lo, hi)`` (relative to ``start``) cutting the subgroup into pieces of
+        about ``piece_params`` elements; every bound but the last is a multiple of ``ALIGN_ELEMS``,
+        so each piece's byte ranges stay 4096-aligned. One piece when the subgroup is that small."""
+        step = align_up(max(1, piece_params), ALIGN_ELEMS)
+        bounds = list(range(0, self.numel, step)) + [self.numel]
+        if len(bounds) > 2 and self.numel - bounds[-2] < ALIGN_ELEMS:
+            del bounds[-2]   # a sliver after the last full piece joins it
+        return tuple(zip(bounds[:-1], bounds[1:])) if self.numel else ((0, 0),)
+
+    def piece_ranges(self, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
+        """``(offset, nbytes)`` in the region of elements ``[lo, hi)`` of each state array, in region
+        order. The piece that ends the subgroup also covers each array's alignment padding, so the
+        pieces of ``pieces()`` tile the region exactly."""
+        end = self.padded_numel if hi == self.numel else hi
+        stride = self.padded_numel * FP32_BYTES
+        return tuple((a * stride + lo * FP32_BYTES, (end - lo) * FP32_BYTES) for a in range(len(STATE_NAMES)))
+
+
+def piece_params_for(subgroup_params: int, block_bytes: int, max_pieces: int = 8) -> int:
+    """Elements per piece of a streamed subgroup: ``1/max_pieces`` of a subgroup, but at least one
+    I/O block per state array, so a piece's requests still keep the engine's queue full."""
+    return max(-(-subgroup_params // max_pieces), block_bytes // FP32_BYTES)
 
 
 class SubgroupPlan:

@@ -81,8 +81,8 @@ def test_a_fetch_not_yet_done_is_not_ready(two_tier_opt):
     pretend_resident(opt, [])
     done, pending = Future(), Future()
     done.set_result(None)
-    assert opt._first_ready([a, b], {a: (pending, None), b: (done, None)}, {}, keep=set()) == b
-    assert opt._first_ready([a, b], {a: (pending, None)}, {}, keep=set()) is None
+    assert opt._first_ready([a, b], {a: (pending, None, []), b: (done, None, [])}, {}, keep=set()) == b
+    assert opt._first_ready([a, b], {a: (pending, None, [])}, {}, keep=set()) is None
 
 
 def test_steps_that_start_with_the_bottleneck_tier_compute_what_the_reference_computes(disk_dir):
