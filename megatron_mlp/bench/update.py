@@ -23,7 +23,11 @@ figures alike:
    (``policy_floor``), and the baseline's time over it -- what no implementation of the policy
    could exceed in this run;
 6. the host memory each side holds: the baseline's double buffers, MLP-Offload's pool (cache plus
-   working buffers, the same memory whether the buffers carry subgroups between steps or not).
+   working buffers, the same memory whether the buffers carry subgroups between steps or not);
+7. the device alone: right after MLP-Offload's steps, each tier moves the bytes of one of its
+   steady steps again with the engine alone -- no kernel, no checksum, no pipeline
+   (``bench/replay.py``). MLP-Offload over that replay is what the pipeline costs; the replay
+   over the lower bound is how far the device itself was from its passes' bandwidth meanwhile.
 
 A path with ``qos=`` is an emulated slower tier (the engine's bandwidth cap) and is labelled so.
 Times are medians over the steps after the warm-up (``WARMUP_STEPS``), the same for every side.
@@ -281,9 +285,25 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
         finally:
             opt.close()
             del opt
+    result["replay"] = _replay(args, tiers, numel, result, barrier)
     if queue is not None:
         queue.put(result)
     return result
+
+
+def _replay(args, tiers, numel, result, barrier) -> dict:
+    """The device alone moving the bytes of one of MLP-Offload's steady steps (bench/replay.py)."""
+    from megatron_mlp.bench.replay import replay_step_io
+    from megatron_mlp.optim.subgroups import SubgroupPlan
+
+    mlp = next(v for v in result["variants"] if v["name"] == MLP_NAME)
+    steady = mlp["stats"][_steady_slice(len(mlp["stats"]))]
+    moves = [(int(statistics.median(st["tiers"][t]["bytes_written"] for st in steady)),
+              int(statistics.median(st["tiers"][t]["bytes_read"] for st in steady))) for t in range(len(tiers))]
+    region = SubgroupPlan([(0, numel)], args.subgroup_params).max_region_bytes
+    steps = replay_step_io(list(tiers), moves, region, args.steps, backend=args.backend,
+                           block_bytes=args.io_block_bytes, queue_depth=args.io_queue_depth, barrier=barrier)
+    return {"steps_s": steps, "moves": moves}
 
 
 def _rank_main(rank, args, tiers, barrier, queue):
@@ -375,6 +395,8 @@ def summarize(args, tiers, bandwidth, results) -> dict:
     # MLP-Offload's working buffers: whole subgroups they carry into the next step, as the cache does.
     warm_bytes = warm_subgroups(config) * plan.max_region_bytes * args.ranks
     floor_s = policy_floor(12.0 * args.num_params, float(args.host_cache) * args.ranks + warm_bytes, bandwidth)
+    replay_steps = _per_step_max(results, lambda r: r["replay"]["steps_s"])
+    replay_s = _steady(replay_steps)[0] if any(any(m) for r in results for m in r["replay"]["moves"]) else None
     base_last = results[0]["baseline"]["last"]
     mlp_last = last_stats[0][-1]
     return {
@@ -401,6 +423,9 @@ def summarize(args, tiers, bandwidth, results) -> dict:
         "speedup_with_backward_write": (baseline_s + backward_s) / mlp_s if mlp_s > 0 else None,
         "lower_bound_s": lower_bound_s,
         "mlp_vs_lower_bound": mlp_s / lower_bound_s if lower_bound_s > 0 else None,
+        "replay_s": replay_s, "replay_steps_s": replay_steps,
+        "mlp_vs_replay": mlp_s / replay_s if replay_s else None,
+        "replay_vs_lower_bound": replay_s / lower_bound_s if replay_s and lower_bound_s > 0 else None,
         "policy_floor_s": floor_s,
         "mlp_warm_bytes": warm_bytes,
         "speedup_ceiling": baseline_s / floor_s if floor_s > 0 else None,
@@ -448,6 +473,10 @@ def _text(summary) -> str:
     lines.append(f"MLP-Offload: {summary['mlp_s']:.2f} s -> {summary['speedup']:.2f}x the baseline; "
                  f"I/O lower bound {summary['lower_bound_s']:.2f} s (x{summary['mlp_vs_lower_bound']:.2f}); "
                  f"placement model predicted {summary['predicted_s']:.2f} s")
+    if summary["replay_s"] is not None:
+        lines.append(f"the same bytes moved by the engine alone right after (no kernel, no pipeline): "
+                     f"{summary['replay_s']:.2f} s = x{summary['replay_vs_lower_bound']:.2f} the bound; MLP-Offload "
+                     f"is x{summary['mlp_vs_replay']:.2f} that")
     if summary["speedup_ceiling"] is not None:
         lines.append(f"ceiling: no schedule under this byte policy beats {summary['policy_floor_s']:.2f} s on these "
                      f"bandwidths (cache and working buffers used to the byte, a fluid split), so "

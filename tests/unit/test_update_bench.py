@@ -59,6 +59,10 @@ def test_bench_update_reports_baseline_mlp_ablation_and_bounds_when_run_tiny(cap
     assert s["mlp_warm_bytes"] > 0 and s["baseline_host_bytes"] > 0
     assert s["mlp_host_bytes"] == s["mlp_host_limit_bytes"] * ranks
     assert s["config"]["ranks"] == ranks
+    # The same bytes moved by the engine alone, right after, every step.
+    assert len(s["replay_steps_s"]) == 3 and s["replay_s"] > 0
+    assert s["mlp_vs_replay"] == pytest.approx(s["mlp_s"] / s["replay_s"])
+    assert s["replay_vs_lower_bound"] == pytest.approx(s["replay_s"] / s["lower_bound_s"])
     leftovers = [n for d in (disk_dir, shm_dir) for n in os.listdir(d)]
     assert leftovers == [], f"bench left files behind: {leftovers}"
 
@@ -173,3 +177,45 @@ def test_medians_leave_out_the_two_warm_up_steps_when_there_are_more():
     assert update._steady([9.0, 5.0, 1.0]) == (1.0, 1.0, 1.0)
     assert update._steady([9.0, 5.0]) == (5.0, 5.0, 5.0)   # too few: only the first is left out
     assert update._steady([9.0]) == (9.0, 9.0, 9.0)
+
+
+def test_a_replay_moves_the_bytes_asked_on_each_tier_writes_first_and_leaves_nothing(disk_dir, shm_dir, monkeypatch):
+    """The device-alone yardstick: per step, on each tier, the write-backs then the reads of the
+    given byte counts in requests of at most one region; a tier with separate read and write
+    budgets (qos=) runs the two directions at once. Its files are removed."""
+    import megatron_mlp.engine as engine_module
+    from megatron_mlp.bench.replay import replay_step_io
+    from megatron_mlp.tier.spec import parse_tier_paths
+
+    log = []
+    real = engine_module.Engine
+
+    class Logged(real):
+        def read(self, f, buffer, file_offset=0, nbytes=None, buffer_offset=0):
+            log.append(("read", f.path, nbytes if nbytes is not None else buffer.nbytes))
+            return super().read(f, buffer, file_offset, nbytes, buffer_offset)
+
+        def write(self, f, buffer, file_offset=0, nbytes=None, buffer_offset=0):
+            log.append(("write", f.path, nbytes if nbytes is not None else buffer.nbytes))
+            return super().write(f, buffer, file_offset, nbytes, buffer_offset)
+
+    monkeypatch.setattr(engine_module, "Engine", Logged)
+    region = 3 * 4096 * 4
+    tiers = parse_tier_paths(f"{disk_dir};{shm_dir}:qos=1GB/s")
+    moves = [(2 * region, 3 * region), (region, 0)]
+    steps = []
+
+    class Barrier:
+        def wait(self):
+            steps.append(len(log))
+
+    times = replay_step_io(tiers, moves, region, 3, backend="auto", block_bytes=4096, queue_depth=4,
+                           barrier=Barrier())
+    assert len(times) == 3 and all(t > 0 for t in times)
+    timed = [log[a:b] for a, b in zip(steps, steps[1:] + [len(log)])]
+    for step in timed:
+        disk = [(op, n) for op, path, n in step if path.startswith(disk_dir)]
+        shm = [(op, n) for op, path, n in step if path.startswith(shm_dir)]
+        assert disk == [("write", region)] * 2 + [("read", region)] * 3, "one lane: write-backs, then reads"
+        assert shm == [("write", region)]
+    assert [n for d in (disk_dir, shm_dir) for n in os.listdir(d)] == []
