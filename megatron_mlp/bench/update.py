@@ -24,10 +24,11 @@ figures alike:
    could exceed in this run;
 6. the host memory each side holds: the baseline's double buffers, MLP-Offload's pool (cache plus
    working buffers, the same memory whether the buffers carry subgroups between steps or not);
-7. the device alone: right after MLP-Offload's steps, each tier moves the bytes of one of its
-   steady steps again with the engine alone -- no kernel, no checksum, no pipeline
-   (``bench/replay.py``). MLP-Offload over that replay is what the pipeline costs; the replay
-   over the lower bound is how far the device itself was from its passes' bandwidth meanwhile.
+7. the device alone: after its own steps MLP-Offload runs as many more, each followed by the
+   engine alone moving the bytes of one of its steady steps on each tier -- no kernel, no
+   checksum, no pipeline (``bench/replay.py``). A pair sees the same disk, so the mean of their
+   differences is what the pipeline costs, and the replay over the lower bound is how far the
+   disk itself was from its passes' bandwidth meanwhile.
 
 A path with ``qos=`` is an emulated slower tier (the engine's bandwidth cap) and is labelled so.
 Times are medians over the steps after the warm-up (``WARMUP_STEPS``), the same for every side.
@@ -282,28 +283,37 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
             result["variants"].append({"name": name, "steps_s": steps, "stats": stats,
                                        "tier_of": list(opt.tier_of),
                                        "host_limit_bytes": opt.host_budget_bytes})
+            if name == MLP_NAME:
+                result["paired"] = _paired_with_replay(args, tiers, numel, opt, stats, grads, params_out, barrier)
         finally:
             opt.close()
             del opt
-    result["replay"] = _replay(args, tiers, numel, result, barrier)
     if queue is not None:
         queue.put(result)
     return result
 
 
-def _replay(args, tiers, numel, result, barrier) -> dict:
-    """The device alone moving the bytes of one of MLP-Offload's steady steps (bench/replay.py)."""
-    from megatron_mlp.bench.replay import replay_step_io
+def _paired_with_replay(args, tiers, numel, opt, stats, grads, params_out, barrier) -> dict:
+    """``args.steps`` more steps of MLP-Offload, each followed by the engine alone moving the bytes
+    of one of its steady steps (bench/replay.py): pairs a second apart see the same disk."""
+    from megatron_mlp.bench.replay import IOReplay
     from megatron_mlp.optim.subgroups import SubgroupPlan
 
-    mlp = next(v for v in result["variants"] if v["name"] == MLP_NAME)
-    steady = mlp["stats"][_steady_slice(len(mlp["stats"]))]
+    steady = stats[_steady_slice(len(stats))]
     moves = [(int(statistics.median(st["tiers"][t]["bytes_written"] for st in steady)),
               int(statistics.median(st["tiers"][t]["bytes_read"] for st in steady))) for t in range(len(tiers))]
     region = SubgroupPlan([(0, numel)], args.subgroup_params).max_region_bytes
-    steps = replay_step_io(list(tiers), moves, region, args.steps, backend=args.backend,
-                           block_bytes=args.io_block_bytes, queue_depth=args.io_queue_depth, barrier=barrier)
-    return {"steps_s": steps, "moves": moves}
+    mlp_steps, replay_steps = [], []
+    with IOReplay(list(tiers), moves, region, backend=args.backend, block_bytes=args.io_block_bytes,
+                  queue_depth=args.io_queue_depth) as replay:
+        for _ in range(args.steps):
+            barrier.wait()
+            t0 = time.perf_counter()
+            opt.step(grads, params_out)
+            mlp_steps.append(time.perf_counter() - t0)
+            barrier.wait()
+            replay_steps.append(replay.step())
+    return {"mlp_steps_s": mlp_steps, "replay_steps_s": replay_steps, "moves": moves}
 
 
 def _rank_main(rank, args, tiers, barrier, queue):
@@ -395,8 +405,14 @@ def summarize(args, tiers, bandwidth, results) -> dict:
     # MLP-Offload's working buffers: whole subgroups they carry into the next step, as the cache does.
     warm_bytes = warm_subgroups(config) * plan.max_region_bytes * args.ranks
     floor_s = policy_floor(12.0 * args.num_params, float(args.host_cache) * args.ranks + warm_bytes, bandwidth)
-    replay_steps = _per_step_max(results, lambda r: r["replay"]["steps_s"])
-    replay_s = _steady(replay_steps)[0] if any(any(m) for r in results for m in r["replay"]["moves"]) else None
+    # MLP-Offload's steps paired with the engine alone moving the same bytes (bench/replay.py).
+    paired_mlp = _per_step_max(results, lambda r: r["paired"]["mlp_steps_s"])
+    replay_steps = _per_step_max(results, lambda r: r["paired"]["replay_steps_s"])
+    moved = any(any(m) for r in results for m in r["paired"]["moves"])
+    kept = _steady_slice(len(replay_steps))
+    diffs = [a - b for a, b in zip(paired_mlp[kept], replay_steps[kept])]
+    replay_s = _steady(replay_steps)[0] if moved else None
+    paired_mlp_s = _steady(paired_mlp)[0]
     base_last = results[0]["baseline"]["last"]
     mlp_last = last_stats[0][-1]
     return {
@@ -423,8 +439,12 @@ def summarize(args, tiers, bandwidth, results) -> dict:
         "speedup_with_backward_write": (baseline_s + backward_s) / mlp_s if mlp_s > 0 else None,
         "lower_bound_s": lower_bound_s,
         "mlp_vs_lower_bound": mlp_s / lower_bound_s if lower_bound_s > 0 else None,
-        "replay_s": replay_s, "replay_steps_s": replay_steps,
-        "mlp_vs_replay": mlp_s / replay_s if replay_s else None,
+        "replay_s": replay_s, "replay_steps_s": replay_steps, "mlp_paired_s": paired_mlp_s,
+        "mlp_paired_steps_s": paired_mlp,
+        "mlp_vs_replay": paired_mlp_s / replay_s if replay_s else None,
+        "pipeline_overhead_s": statistics.mean(diffs) if replay_s else None,
+        "pipeline_overhead_stderr_s": (statistics.stdev(diffs) / len(diffs) ** 0.5
+                                       if replay_s and len(diffs) > 1 else None),
         "replay_vs_lower_bound": replay_s / lower_bound_s if replay_s and lower_bound_s > 0 else None,
         "policy_floor_s": floor_s,
         "mlp_warm_bytes": warm_bytes,
@@ -474,9 +494,12 @@ def _text(summary) -> str:
                  f"I/O lower bound {summary['lower_bound_s']:.2f} s (x{summary['mlp_vs_lower_bound']:.2f}); "
                  f"placement model predicted {summary['predicted_s']:.2f} s")
     if summary["replay_s"] is not None:
-        lines.append(f"the same bytes moved by the engine alone right after (no kernel, no pipeline): "
-                     f"{summary['replay_s']:.2f} s = x{summary['replay_vs_lower_bound']:.2f} the bound; MLP-Offload "
-                     f"is x{summary['mlp_vs_replay']:.2f} that")
+        err = summary["pipeline_overhead_stderr_s"]
+        lines.append(f"the same bytes moved by the engine alone (no kernel, no pipeline), after each of "
+                     f"{len(summary['replay_steps_s'])} more steps: {summary['replay_s']:.2f} s = "
+                     f"x{summary['replay_vs_lower_bound']:.2f} the bound, MLP-Offload's steps beside them "
+                     f"{summary['mlp_paired_s']:.2f} s (x{summary['mlp_vs_replay']:.2f}); the pipeline costs "
+                     f"{summary['pipeline_overhead_s']:+.3f} s a step" + (f" (standard error {err:.3f})" if err else ""))
     if summary["speedup_ceiling"] is not None:
         lines.append(f"ceiling: no schedule under this byte policy beats {summary['policy_floor_s']:.2f} s on these "
                      f"bandwidths (cache and working buffers used to the byte, a fluid split), so "

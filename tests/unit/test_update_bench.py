@@ -59,10 +59,13 @@ def test_bench_update_reports_baseline_mlp_ablation_and_bounds_when_run_tiny(cap
     assert s["mlp_warm_bytes"] > 0 and s["baseline_host_bytes"] > 0
     assert s["mlp_host_bytes"] == s["mlp_host_limit_bytes"] * ranks
     assert s["config"]["ranks"] == ranks
-    # The same bytes moved by the engine alone, right after, every step.
-    assert len(s["replay_steps_s"]) == 3 and s["replay_s"] > 0
-    assert s["mlp_vs_replay"] == pytest.approx(s["mlp_s"] / s["replay_s"])
+    # As many more MLP-Offload steps, each paired with the engine alone moving the same bytes.
+    assert len(s["replay_steps_s"]) == len(s["mlp_paired_steps_s"]) == 3 and s["replay_s"] > 0
+    assert s["mlp_vs_replay"] == pytest.approx(s["mlp_paired_s"] / s["replay_s"])
     assert s["replay_vs_lower_bound"] == pytest.approx(s["replay_s"] / s["lower_bound_s"])
+    # After the two warm-up pairs, as every median: one pair here, so no standard error.
+    assert s["pipeline_overhead_s"] == pytest.approx(s["mlp_paired_steps_s"][2] - s["replay_steps_s"][2])
+    assert s["pipeline_overhead_stderr_s"] is None
     leftovers = [n for d in (disk_dir, shm_dir) for n in os.listdir(d)]
     assert leftovers == [], f"bench left files behind: {leftovers}"
 
@@ -95,7 +98,8 @@ def test_adam_threads_of_a_bench_update_run_reach_both_sides(capsys, disk_dir, k
                  "--calib-bytes", "4MB", "--steps", "2", "--no-ablation", "--no-interference", "--adam-threads", "1")
     assert s["config"]["adam_threads"] == 1
     subgroups = 300000 // 50000
-    assert len(threads) == 2 * 2 * subgroups, "two steps of the baseline and two of MLP-Offload"
+    assert len(threads) == 3 * 2 * subgroups, \
+        "two steps of the baseline, two of MLP-Offload and two more paired with the replay"
     assert set(threads) == {1}
 
 
@@ -179,12 +183,15 @@ def test_medians_leave_out_the_two_warm_up_steps_when_there_are_more():
     assert update._steady([9.0]) == (9.0, 9.0, 9.0)
 
 
-def test_a_replay_moves_the_bytes_asked_on_each_tier_writes_first_and_leaves_nothing(disk_dir, shm_dir, monkeypatch):
+def test_a_replay_moves_the_bytes_asked_on_each_tier_and_reads_back_the_last_steps_writes(disk_dir, shm_dir,
+                                                                                        monkeypatch):
     """The device-alone yardstick: per step, on each tier, the write-backs then the reads of the
-    given byte counts in requests of at most one region; a tier with separate read and write
-    budgets (qos=) runs the two directions at once. Its files are removed."""
+    given byte counts, in requests of at most one region; writes alternate between two areas and
+    the reads take what the step before wrote first (as the optimizer reads what it wrote back);
+    a tier with separate read and write budgets (qos=) runs the two directions at once. Its files
+    are removed."""
     import megatron_mlp.engine as engine_module
-    from megatron_mlp.bench.replay import replay_step_io
+    from megatron_mlp.bench.replay import IOReplay
     from megatron_mlp.tier.spec import parse_tier_paths
 
     log = []
@@ -192,30 +199,26 @@ def test_a_replay_moves_the_bytes_asked_on_each_tier_writes_first_and_leaves_not
 
     class Logged(real):
         def read(self, f, buffer, file_offset=0, nbytes=None, buffer_offset=0):
-            log.append(("read", f.path, nbytes if nbytes is not None else buffer.nbytes))
+            log.append(("read", f.path, file_offset, nbytes))
             return super().read(f, buffer, file_offset, nbytes, buffer_offset)
 
         def write(self, f, buffer, file_offset=0, nbytes=None, buffer_offset=0):
-            log.append(("write", f.path, nbytes if nbytes is not None else buffer.nbytes))
+            log.append(("write", f.path, file_offset, nbytes))
             return super().write(f, buffer, file_offset, nbytes, buffer_offset)
 
     monkeypatch.setattr(engine_module, "Engine", Logged)
     region = 3 * 4096 * 4
     tiers = parse_tier_paths(f"{disk_dir};{shm_dir}:qos=1GB/s")
-    moves = [(2 * region, 3 * region), (region, 0)]
-    steps = []
-
-    class Barrier:
-        def wait(self):
-            steps.append(len(log))
-
-    times = replay_step_io(tiers, moves, region, 3, backend="auto", block_bytes=4096, queue_depth=4,
-                           barrier=Barrier())
-    assert len(times) == 3 and all(t > 0 for t in times)
-    timed = [log[a:b] for a, b in zip(steps, steps[1:] + [len(log)])]
-    for step in timed:
-        disk = [(op, n) for op, path, n in step if path.startswith(disk_dir)]
-        shm = [(op, n) for op, path, n in step if path.startswith(shm_dir)]
-        assert disk == [("write", region)] * 2 + [("read", region)] * 3, "one lane: write-backs, then reads"
-        assert shm == [("write", region)]
+    with IOReplay(tiers, [(2 * region, 3 * region), (region, 0)], region, backend="auto", block_bytes=4096,
+                  queue_depth=4) as replay:
+        for step in range(3):
+            log.clear()
+            assert replay.step() > 0
+            disk = [(op, off, n) for op, path, off, n in log if path.startswith(disk_dir)]
+            shm = [(op, off, n) for op, path, off, n in log if path.startswith(shm_dir)]
+            here, before = (step % 2) * 2 * region, ((step + 1) % 2) * 2 * region
+            assert disk == [("write", here, region), ("write", here + region, region),
+                            ("read", before, region), ("read", before + region, region),
+                            ("read", 4 * region, region)], "one lane: write-backs, then reads"
+            assert shm == [("write", (step % 2) * region, region)]
     assert [n for d in (disk_dir, shm_dir) for n in os.listdir(d)] == []
