@@ -474,3 +474,30 @@ def test_trajectory_with_streamed_pieces_equals_torch_adamw_bitwise(disk_dir, sh
         assert streamed >= 19, "the first write-back of every step after the first is streamed"
         assert torch.equal(out, ref.state("param").to(dtype))
         assert_state_equal(opt, ref)
+
+
+def test_a_streamed_write_back_that_fails_keeps_the_new_state_in_host_memory(disk_dir):
+    """A step's first write-back streams; when its pieces cannot be written (and there is no other
+    tier), the subgroup stays in host memory with its new state, as after any failed flush, and
+    every subgroup still reads back as the reference."""
+    from megatron_mlp.errors import TierFailure
+    from megatron_mlp.testing.fault_engine import FaultyEngines
+
+    config = MLPOffloadConfig.from_paths(disk_dir, subgroup_params=SUB, block_bytes=BLOCK, use_tokens=False,
+                                         host_cache_bytes=0, prefetch_depth=1, flush_depth=1)
+    engines = FaultyEngines(config)
+    opt, ref = make(disk_dir, engine_factory=engines, ranges=[(0, 6 * SUB)], groups=GROUPS[:1])
+    with opt:
+        g = grads_for(0, 6 * SUB)
+        opt.step(g)
+        ref.step(g)
+        engines.engines[0].inject_fault(nth=1, err=errno.EIO, op="write", every=True)
+        g = grads_for(1, 6 * SUB)
+        with pytest.raises(TierFailure, match="held in host memory"):
+            opt.step(g)
+        ref.step(g)
+        engines.engines[0].clear_faults()
+        assert opt.last_step_stats["streamed_writes"] >= 1
+        assert opt.last_step_stats["tiers"][0]["flush_errors"] == len(opt.plan) - opt.keep_slots
+        assert sorted(opt._resident) == list(range(len(opt.plan)))
+        assert_state_equal(opt, ref)
