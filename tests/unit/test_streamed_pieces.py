@@ -216,13 +216,19 @@ def test_a_streamed_flush_whose_piece_fails_keeps_the_previous_copy_as_the_good_
 
 # ----------------------------------------------------------------------------- the optimizer
 
-def make(disk_dir, engine_factory=None, ranges=RANGES, groups=GROUPS, **cfg):
+def make(disk_dir, wrap_engine=None, ranges=RANGES, groups=GROUPS, **cfg):
+    """An optimizer on ``disk_dir`` and its reference; ``wrap_engine(engine)`` wraps each real engine."""
+    from megatron_mlp.optim.offload_adam import _default_engine_factory
     cfg.setdefault("prefetch_depth", 1)
     cfg.setdefault("flush_depth", 1)
     config = MLPOffloadConfig.from_paths(disk_dir, subgroup_params=SUB, block_bytes=BLOCK, use_tokens=False,
                                          host_cache_bytes=0, **cfg)
+    factory = None
+    if wrap_engine is not None:
+        make_engine = _default_engine_factory(config)
+        factory = lambda spec: wrap_engine(make_engine(spec))  # noqa: E731
     init = torch.randn(ranges[-1][1], generator=torch.Generator().manual_seed(1))
-    opt = OffloadAdam(config, ranges, [dict(g) for g in groups], init, engine_factory=engine_factory)
+    opt = OffloadAdam(config, ranges, [dict(g) for g in groups], init, engine_factory=factory)
     return opt, ReferenceAdamW(ranges, groups, init)
 
 
@@ -274,37 +280,43 @@ class _LateRequest:
         return 0
 
 
+def _hold_last_read_until_first_piece_is_out(opt, engine, out, index=0):
+    """Make the next step's read of subgroup ``index`` land its last piece only once the kernel has
+    put out its first piece's params: the step must then stream it."""
+    sg = opt.plan[index]
+    assert index not in opt._resident, "the test needs a subgroup the next step reads"
+    pieces = opt._pieces[index]
+    store = opt._store_of[opt.tier_of[index]]
+    rec = store.records[index]
+    engine.hold = {rec.offsets[rec.current] + rel for rel, _ in sg.piece_ranges(*pieces[-1])}
+    lo, hi = pieces[0]
+    out.fill_(float("nan"))
+    engine.release = lambda: not torch.isnan(out[sg.start + lo:sg.start + hi]).any().item()
+    return sg, store, rec
+
+
+def _held_reads_opt(disk_dir):
+    engines = []
+    opt, ref = make(disk_dir, wrap_engine=lambda engine: engines.append(ReadsHeldUntil(engine)) or engines[-1])
+    return opt, ref, engines[0]
+
+
 def test_the_kernel_follows_the_steps_last_read_piece_by_piece(disk_dir):
     """The last subgroup of a step is updated as its pieces land: its first piece's new params are
     out while its last piece is still being read (that read is held until they are)."""
-    from megatron_mlp.optim.offload_adam import _default_engine_factory
-    config = MLPOffloadConfig.from_paths(disk_dir, subgroup_params=SUB, block_bytes=BLOCK, use_tokens=False,
-                                         host_cache_bytes=0, prefetch_depth=1, flush_depth=1)
-    make_engine = _default_engine_factory(config)
-    engines = []
-    opt, ref = make(disk_dir, engine_factory=lambda spec: engines.append(ReadsHeldUntil(make_engine(spec)))
-                    or engines[-1])
+    opt, ref, engine = _held_reads_opt(disk_dir)
     out = torch.empty(N, dtype=torch.float32)
     with opt:
         g = grads_for(0)
         opt.step(g, out)
         ref.step(g)
-        # The next step runs descending and reads subgroup 0 last.
-        assert 0 not in opt._resident
-        sg = opt.plan[0]
-        pieces = opt._pieces[sg.index]
-        assert len(pieces) == 2
-        store = opt._store_of[opt.tier_of[sg.index]]
-        rec = store.records[sg.index]
-        last_piece = sg.piece_ranges(*pieces[-1])
-        engines[0].hold = {rec.offsets[rec.current] + rel for rel, _ in last_piece}
-        lo, hi = pieces[0]
-        out.fill_(float("nan"))
-        engines[0].release = lambda: not torch.isnan(out[sg.start + lo:sg.start + hi]).any().item()
+        # The next step runs descending and reads subgroup 0, of two pieces, last.
+        assert len(opt._pieces[0]) == 2
+        _hold_last_read_until_first_piece_is_out(opt, engine, out)
         g = grads_for(1)
         opt.step(g, out)
         ref.step(g)
-        assert engines[0].held_until_released == [True] * len(last_piece), \
+        assert engine.held_until_released == [True] * len(engine.hold), \
             "the last piece was read only after the first piece had been updated"
         assert opt.last_step_stats["streamed_reads"] == 1
         assert torch.equal(out, ref.state("param"))
@@ -316,7 +328,6 @@ def test_the_first_write_back_of_a_step_leaves_piece_by_piece_right_behind_the_k
     submitted one piece at a time, and every write -- streamed or not -- only after the kernel call
     that made its bytes final."""
     import megatron_mlp.optim.fused_adam as fused_adam
-    from megatron_mlp.optim.offload_adam import _default_engine_factory
     events = []
     real = fused_adam.fused_adam_step
 
@@ -338,12 +349,8 @@ def test_the_first_write_back_of_a_step_leaves_piece_by_piece_right_behind_the_k
         def __getattr__(self, name):
             return getattr(self._engine, name)
 
-    config = MLPOffloadConfig.from_paths(disk_dir, subgroup_params=SUB, block_bytes=BLOCK, use_tokens=False,
-                                         host_cache_bytes=0, prefetch_depth=1, flush_depth=1)
-    make_engine = _default_engine_factory(config)
     # Six subgroups of two pieces each: whichever end a step starts from, its first one streams.
-    opt, ref = make(disk_dir, engine_factory=lambda spec: LoggedWrites(make_engine(spec)),
-                    ranges=[(0, 6 * SUB)], groups=GROUPS[:1])
+    opt, ref = make(disk_dir, wrap_engine=LoggedWrites, ranges=[(0, 6 * SUB)], groups=GROUPS[:1])
     piece_bytes = 1024 * 4
     with opt:
         for step in range(4):
@@ -361,32 +368,6 @@ def test_the_first_write_back_of_a_step_leaves_piece_by_piece_right_behind_the_k
                 updated = set().union(*(e[1] for e in events[:i] if e[0] == "kernel"))
                 assert addr in updated, f"a write of {n} bytes was submitted before the kernel updated them"
         assert_state_equal(opt, ref)
-
-
-def _hold_last_read_until_first_piece_is_out(opt, engine, out, index=0):
-    """Make the next step's read of subgroup ``index`` land its last piece only once the kernel has
-    put out its first piece's params: the step must then stream it."""
-    sg = opt.plan[index]
-    assert index not in opt._resident, "the test needs a subgroup the next step reads"
-    pieces = opt._pieces[index]
-    store = opt._store_of[opt.tier_of[index]]
-    rec = store.records[index]
-    engine.hold = {rec.offsets[rec.current] + rel for rel, _ in sg.piece_ranges(*pieces[-1])}
-    lo, hi = pieces[0]
-    out.fill_(float("nan"))
-    engine.release = lambda: not torch.isnan(out[sg.start + lo:sg.start + hi]).any().item()
-    return sg, store, rec
-
-
-def _held_reads_opt(disk_dir):
-    from megatron_mlp.optim.offload_adam import _default_engine_factory
-    config = MLPOffloadConfig.from_paths(disk_dir, subgroup_params=SUB, block_bytes=BLOCK, use_tokens=False,
-                                         host_cache_bytes=0, prefetch_depth=1, flush_depth=1)
-    make_engine = _default_engine_factory(config)
-    engines = []
-    opt, ref = make(disk_dir, engine_factory=lambda spec: engines.append(ReadsHeldUntil(make_engine(spec)))
-                    or engines[-1])
-    return opt, ref, engines[0]
 
 
 @pytest.mark.parametrize("where", [100, 4096 + 50, 2 * SUB * 4 + 4096 + 7],
@@ -481,22 +462,20 @@ def test_a_streamed_write_back_that_fails_keeps_the_new_state_in_host_memory(dis
     tier), the subgroup stays in host memory with its new state, as after any failed flush, and
     every subgroup still reads back as the reference."""
     from megatron_mlp.errors import TierFailure
-    from megatron_mlp.testing.fault_engine import FaultyEngines
 
-    config = MLPOffloadConfig.from_paths(disk_dir, subgroup_params=SUB, block_bytes=BLOCK, use_tokens=False,
-                                         host_cache_bytes=0, prefetch_depth=1, flush_depth=1)
-    engines = FaultyEngines(config)
-    opt, ref = make(disk_dir, engine_factory=engines, ranges=[(0, 6 * SUB)], groups=GROUPS[:1])
+    engines = []
+    opt, ref = make(disk_dir, wrap_engine=lambda engine: engines.append(engine) or engine,
+                    ranges=[(0, 6 * SUB)], groups=GROUPS[:1])
     with opt:
         g = grads_for(0, 6 * SUB)
         opt.step(g)
         ref.step(g)
-        engines.engines[0].inject_fault(nth=1, err=errno.EIO, op="write", every=True)
+        engines[0].inject_fault(nth=1, err=errno.EIO, op="write", every=True)
         g = grads_for(1, 6 * SUB)
         with pytest.raises(TierFailure, match="held in host memory"):
             opt.step(g)
         ref.step(g)
-        engines.engines[0].clear_faults()
+        engines[0].clear_faults()
         assert opt.last_step_stats["streamed_writes"] >= 1
         assert opt.last_step_stats["tiers"][0]["flush_errors"] == len(opt.plan) - opt.keep_slots
         assert sorted(opt._resident) == list(range(len(opt.plan)))
