@@ -8,7 +8,7 @@ write complete does the in-memory record switch to the new slot (generation + 1,
 A flush that fails -- EIO, ENOSPC, a short write, a crash midway -- therefore leaves the previous
 slot intact and still described by the record, and the caller keeps the new data in its host
 buffer. Reads verify the crc32c of the whole region before anything uses it (or, for the
-optimizer's step, in the kernel pass that updates it: ``fetch(verify=False)``).
+optimizer's step, in the kernel pass that updates it: ``fetch_streamed``).
 
 Lanes: on a device where reads and writes share one bandwidth limit (a disk), running a read and
 a write at the same time is slower than running them one after the other, so by default a tier
@@ -164,14 +164,11 @@ class TierStore:
 
     # -- asynchronous region I/O (run on the lane threads) -------------------------------------
 
-    def fetch(self, sg: Subgroup, buffer, verify: bool = True) -> Future:
+    def fetch(self, sg: Subgroup, buffer) -> Future:
         """Read the good copy of ``sg`` into ``buffer`` and verify it; returns a Future.
 
         The lane only reads; the crc32c runs on this tier's checksum thread, so the lane starts
-        its next request while the previous region is being verified. ``verify=False``: the
-        caller verifies (the fused kernel checksums the state as it updates it, see
-        ``verify_checksum``); the Future's result is then the snapshot of the record read
-        ``(slot, offset, crc32c, generation)``, to verify against.
+        its next request while the previous region is being verified.
         """
         done: Future = Future()
 
@@ -180,9 +177,6 @@ class TierStore:
                 rec = self._read(sg, buffer)
             except BaseException as e:  # noqa: BLE001 -- delivered through the future
                 done.set_exception(e)
-                return
-            if not verify:
-                done.set_result(rec)
                 return
             if not self.checksum or rec[2] is None:
                 done.set_result(None)
@@ -193,12 +187,14 @@ class TierStore:
         return done
 
     def fetch_streamed(self, sg: Subgroup, buffer, pieces) -> tuple[Future, list[Future]]:
-        """``fetch(verify=False)`` that also tells when each piece has landed.
+        """Read the good copy of ``sg`` into ``buffer``, unverified, and tell when each piece has landed.
 
+        The caller verifies: the fused kernel checksums the state as it updates it, and compares
+        with the record snapshot ``(slot, offset, crc32c, generation)`` (``verify_checksum``).
         ``pieces``: element bounds ``[(lo, hi), ...]`` tiling the subgroup (``Subgroup.pieces``).
         The requests of every piece are submitted at once, in piece order, so the engine's queue
         stays as full as for one request of the whole region. Returns the whole fetch's Future
-        (result: the record snapshot, as ``fetch(verify=False)``) and one Future per piece, done
+        (result: the snapshot) and one Future per piece, done
         when that piece's bytes are in ``buffer``: the kernel can update the first pieces while the
         last ones are still being read. A failure fails the whole and every piece not yet done.
         """
