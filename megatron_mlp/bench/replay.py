@@ -66,7 +66,8 @@ class IOReplay:
                     self._engines.append(engines[-1])
                     handles.append(engines[-1].open(path, create=False, direct=True))
                     self._handles.append(handles[-1])
-                buffers = [e.alloc(min(region_bytes, max(writes, reads))) for e in engines]
+                # As large as the largest request, the whole-file write's included.
+                buffers = [e.alloc(min(region_bytes, size)) for e in engines]
                 for offset, nbytes in self._requests(0, size):   # the whole file once, off the clock
                     engines[0].write(handles[0], buffers[0], offset, nbytes).wait()
                 if split:

@@ -222,3 +222,20 @@ def test_a_replay_moves_the_bytes_asked_on_each_tier_and_reads_back_the_last_ste
                             ("read", 4 * region, region)], "one lane: write-backs, then reads"
             assert shm == [("write", (step % 2) * region, region)]
     assert [n for d in (disk_dir, shm_dir) for n in os.listdir(d)] == []
+
+
+def test_replay_moves_a_step_of_less_than_one_region(disk_dir):
+    """A step whose bytes are not whole regions (a median over steps that moved different amounts,
+    for instance): every request, the first whole-file write included, fits the replay's buffer."""
+    from megatron_mlp.bench.replay import IOReplay
+    from megatron_mlp.tier.spec import parse_tier_paths
+
+    region = 4 * 4096
+    with IOReplay(parse_tier_paths(disk_dir), [(region // 2, region // 4)], region, backend="auto",
+                  block_bytes=4096, queue_depth=4) as replay:
+        assert replay._ops("both", region // 2, region // 4, 1) == [("write", region // 2, region // 2),
+                                                                  ("read", 0, region // 4)]
+        for _ in range(3):
+            assert replay.step() > 0
+    assert os.listdir(disk_dir) == []
+
