@@ -276,6 +276,25 @@ bool crc32c_vpclmul_supported() {
 #endif
 }
 
+bool crc32c_fold256_supported() {
+#ifdef MLP_HAVE_CRC_HW
+    return crc32c_hw_supported() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("vpclmulqdq") &&
+           __builtin_cpu_supports("pclmul");
+#else
+    return false;
+#endif
+}
+
+void crc32c_fold_constants(std::size_t bits, std::uint64_t out[2]) {
+#ifdef MLP_HAVE_CRC_HW
+    out[0] = reflected_xpow_mod(bits + 63);
+    out[1] = reflected_xpow_mod(bits - 1);
+#else
+    (void)bits;
+    out[0] = out[1] = 0;  // never used: crc32c_fold256_supported() is false
+#endif
+}
+
 bool crc32c_hw_supported() {
 #ifdef MLP_HAVE_CRC_HW
     return __builtin_cpu_supports("sse4.2");

@@ -132,6 +132,28 @@ int adam_update_range(Isa isa, const AdamScalars& s, float* param, float* exp_av
     return 0;
 }
 
+bool checksummed_update_supported(Isa isa) {
+    return isa == Isa::kAvx2 && isa_supported(isa) && crc32c_fold256_supported();
+}
+
+int adam_update_range_checksummed(Isa isa, const AdamScalars& s, float* param, float* exp_avg, float* exp_avg_sq,
+                                  const void* grad, DType grad_dtype, void* out, DType out_dtype, std::size_t n,
+                                  std::uint32_t* in_crcs, std::uint32_t* out_crcs) {
+    if (!checksummed_update_supported(isa)) return -ENOTSUP;
+    if (!valid_dtype(grad_dtype) || !valid_dtype(out_dtype)) return -EINVAL;
+    if (n == 0) {
+        for (int a = 0; a < 3; ++a) {
+            if (in_crcs) in_crcs[a] = 0;
+            if (out_crcs) out_crcs[a] = 0;
+        }
+        return 0;
+    }
+    if (!param || !exp_avg || !exp_avg_sq || !grad) return -EINVAL;
+    detail::adam_avx2_checksummed(s, param, exp_avg, exp_avg_sq, grad, grad_dtype, out, out_dtype, n, in_crcs,
+                                  out_crcs);
+    return 0;
+}
+
 int grad_stats_range(Isa isa, const void* grad, DType dtype, std::size_t n, GradStats* out) {
     if (!valid_dtype(dtype) || !isa_supported(isa) || !out) return -EINVAL;
     *out = GradStats{};
@@ -284,6 +306,8 @@ int CpuAdam::step(const AdamHyper& hyper, float* param, float* exp_avg, float* e
         std::size_t bytes = 0;
     };
     const bool tiled = crcs || in_crcs;
+    // Where the path can, each thread folds its piece's checksums in its update loop instead.
+    const bool folded = tiled && checksummed_update_supported(isa);
     std::vector<PieceCrc> parts(tiled ? static_cast<std::size_t>(k) : 0);
     // Extends the running CRCs of the three arrays by elements [i, i + len).
     auto checksum_tile = [&](std::uint32_t* crc, std::size_t i, std::size_t len) {
@@ -294,6 +318,15 @@ int CpuAdam::step(const AdamHyper& hyper, float* param, float* exp_avg, float* e
     pool_.run(k, [&](int t) {
         std::size_t b, e;
         piece(n, k, t, &b, &e);
+        if (folded) {
+            PieceCrc& part = parts[static_cast<std::size_t>(t)];
+            void* o = out ? static_cast<char*>(out) + b * ob : nullptr;
+            adam_update_range_checksummed(isa, s, param + b, exp_avg + b, exp_avg_sq + b,
+                                          static_cast<const char*>(grad) + b * gb, grad_dtype, o, out_dtype, e - b,
+                                          in_crcs ? part.in : nullptr, crcs ? part.out : nullptr);
+            part.bytes = (e - b) * 4;
+            return;
+        }
         const std::size_t tile = tiled ? kCrcTileElems : e - b;
         for (std::size_t i = b; i < e; i += tile) {
             const std::size_t len = std::min(tile, e - i);

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "cpu_adam_dispatch.h"
+#include "mlp/checksum.h"
 #include "mlp/cpu_adam.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -102,25 +103,45 @@ struct Consts8 {
     __m256 inv, clip, decay, w, wm1, b2, omb2, bc2, eps, nss;
 };
 
-template <DType G, int O, bool SmallWeight, int Sq>
-MLP_TARGET_AVX2 inline void body8(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v,
-                                  const void* g, void* out) {
+// The state of eight elements, as loaded or as updated.
+struct State8 {
+    __m256 p, m, v;
+};
+
+MLP_TARGET_AVX2 inline State8 load_state8(const float* p, const float* m, const float* v) {
+    return {_mm256_loadu_ps(p), _mm256_loadu_ps(m), _mm256_loadu_ps(v)};
+}
+
+MLP_TARGET_AVX2 inline void store_state8(float* p, float* m, float* v, const State8& x) {
+    _mm256_storeu_ps(p, x.p);
+    _mm256_storeu_ps(m, x.m);
+    _mm256_storeu_ps(v, x.v);
+}
+
+// The AdamW update of eight elements (the arithmetic of adam_scalar, lane by lane).
+template <DType G, bool SmallWeight, int Sq>
+MLP_TARGET_AVX2 inline State8 update8(const AdamScalars& s, const Consts8& c, State8 x, const void* g) {
     __m256 gi = load8(g, G);
     if (s.apply_unscale) gi = _mm256_mul_ps(gi, c.inv);
     if (s.apply_clip) gi = _mm256_mul_ps(gi, c.clip);
-    __m256 pi = _mm256_loadu_ps(p);
+    __m256 pi = x.p;
     if (s.apply_decay) pi = _mm256_mul_ps(pi, c.decay);
-    __m256 mi = _mm256_loadu_ps(m);
+    __m256 mi = x.m;
     const __m256 diff = _mm256_sub_ps(gi, mi);
     mi = SmallWeight ? _mm256_fmadd_ps(c.w, diff, mi) : _mm256_fmadd_ps(c.wm1, diff, gi);
-    __m256 vi = _mm256_mul_ps(_mm256_loadu_ps(v), c.b2);
+    __m256 vi = _mm256_mul_ps(x.v, c.b2);
     vi = _mm256_fmadd_ps(_mm256_mul_ps(c.omb2, gi), gi, vi);
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(sqrt8(static_cast<SqrtMode>(Sq), vi), c.bc2), c.eps);
     pi = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(c.nss, mi), denom));
-    _mm256_storeu_ps(p, pi);
-    _mm256_storeu_ps(m, mi);
-    _mm256_storeu_ps(v, vi);
-    if constexpr (O >= 0) store8(out, static_cast<DType>(O), pi);
+    return {pi, mi, vi};
+}
+
+template <DType G, int O, bool SmallWeight, int Sq>
+MLP_TARGET_AVX2 inline void body8(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v,
+                                  const void* g, void* out) {
+    const State8 y = update8<G, SmallWeight, Sq>(s, c, load_state8(p, m, v), g);
+    store_state8(p, m, v, y);
+    if constexpr (O >= 0) store8(out, static_cast<DType>(O), y.p);
 }
 
 template <DType G, int O, bool SmallWeight, int Sq>
@@ -151,10 +172,136 @@ struct Loop8 {
     }
 };
 
+// ---- the same loop, checksumming the state it loads and stores (crc32c_fold256_supported CPUs)
+//
+// A region read back from storage is verified, and one to be written back is checksummed, by
+// the pass that updates it. Checksumming a 16 KiB tile in a pass of its own right before and
+// after its update (the other paths) streams every byte through the crc32 instruction in a
+// second loop; here the vectors the update loads and stores are folded into CRC-32C
+// accumulators while they are in registers, with carry-less multiplies the core runs beside the
+// loads it is waiting for. Each array has one 256-bit accumulator: its two 128-bit lanes are the
+// last 32 bytes, folded 256 bits forward by each next 32 bytes, as crc32c_vpclmul does with four
+// 512-bit accumulators. Measured on a 2-core AMD EPYC (Zen 3) with one thread, 50M elements:
+// see docs/benchmarks/adam.md.
+#define MLP_TARGET_AVX2_CLMUL __attribute__((target("avx2,fma,f16c,vpclmulqdq,pclmul,sse4.2")))
+
+struct CrcConsts8 {
+    Consts8 adam;
+    __m256i k256;          // folds each 128-bit lane 256 bits forward
+    __m128i k128;          // folds the first lane onto the second
+    std::uint32_t* in;     // CRC-32C of p, m, v as loaded (null: not wanted)
+    std::uint32_t* out;    // CRC-32C of p, m, v as stored (null: not wanted)
+};
+
+MLP_TARGET_AVX2_CLMUL inline __m256i fold256(__m256i acc, __m256i k, __m256 next) {
+    return _mm256_xor_si256(_mm256_xor_si256(_mm256_clmulepi64_epi128(acc, k, 0x00),
+                                             _mm256_clmulepi64_epi128(acc, k, 0x11)),
+                            _mm256_castps_si256(next));
+}
+
+// The running (pre-inverted) CRC register of the bytes an accumulator has folded.
+MLP_TARGET_AVX2_CLMUL inline std::uint32_t fold_finish(__m256i acc, __m128i k128) {
+    const __m128i first = _mm256_castsi256_si128(acc), second = _mm256_extracti128_si256(acc, 1);
+    const __m128i r = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(first, k128, 0x00),
+                                                  _mm_clmulepi64_si128(first, k128, 0x11)),
+                                    second);
+    std::uint64_t c = _mm_crc32_u64(0, static_cast<std::uint64_t>(_mm_cvtsi128_si64(r)));
+    c = _mm_crc32_u64(c, static_cast<std::uint64_t>(_mm_extract_epi64(r, 1)));
+    return static_cast<std::uint32_t>(c);
+}
+
+MLP_TARGET_AVX2_CLMUL inline std::uint32_t crc_floats(std::uint32_t reg, const float* x, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) {
+        std::uint32_t w;
+        std::memcpy(&w, x + i, 4);
+        reg = _mm_crc32_u32(reg, w);
+    }
+    return reg;
+}
+
+template <DType G, int O, bool SmallWeight, int Sq>
+struct Loop8Crc {
+    MLP_TARGET_AVX2_CLMUL static void run(const AdamScalars& s, const CrcConsts8& c, float* p, float* m, float* v,
+                                          const void* g, void* out, std::size_t n) {
+        constexpr std::size_t gb = G == DType::kFloat32 ? 4 : 2;
+        constexpr std::size_t ob = O == static_cast<int>(DType::kFloat32) ? 4 : 2;
+        const bool want_in = c.in != nullptr, want_out = c.out != nullptr;
+        // Registers of a fresh CRC (seed 0); they enter the message as its first 32 bits.
+        std::uint32_t reg_in[3] = {~0u, ~0u, ~0u}, reg_out[3] = {~0u, ~0u, ~0u};
+        std::size_t i = 0;
+        if (n >= 8) {
+            const __m256i seed = _mm256_set_epi32(0, 0, 0, 0, 0, 0, 0, -1);
+            const State8 x = load_state8(p, m, v);
+            const State8 y = update8<G, SmallWeight, Sq>(s, c.adam, x, g);
+            store_state8(p, m, v, y);
+            if constexpr (O >= 0) store8(out, static_cast<DType>(O), y.p);
+            __m256i in_p = _mm256_xor_si256(_mm256_castps_si256(x.p), seed);
+            __m256i in_m = _mm256_xor_si256(_mm256_castps_si256(x.m), seed);
+            __m256i in_v = _mm256_xor_si256(_mm256_castps_si256(x.v), seed);
+            __m256i out_p = _mm256_xor_si256(_mm256_castps_si256(y.p), seed);
+            __m256i out_m = _mm256_xor_si256(_mm256_castps_si256(y.m), seed);
+            __m256i out_v = _mm256_xor_si256(_mm256_castps_si256(y.v), seed);
+            for (i = 8; i + 8 <= n; i += 8) {
+                const State8 xi = load_state8(p + i, m + i, v + i);
+                if (want_in) {
+                    in_p = fold256(in_p, c.k256, xi.p);
+                    in_m = fold256(in_m, c.k256, xi.m);
+                    in_v = fold256(in_v, c.k256, xi.v);
+                }
+                const State8 yi = update8<G, SmallWeight, Sq>(s, c.adam, xi, static_cast<const char*>(g) + i * gb);
+                store_state8(p + i, m + i, v + i, yi);
+                if constexpr (O >= 0) store8(static_cast<char*>(out) + i * ob, static_cast<DType>(O), yi.p);
+                if (want_out) {
+                    out_p = fold256(out_p, c.k256, yi.p);
+                    out_m = fold256(out_m, c.k256, yi.m);
+                    out_v = fold256(out_v, c.k256, yi.v);
+                }
+            }
+            if (want_in) {
+                reg_in[0] = fold_finish(in_p, c.k128);
+                reg_in[1] = fold_finish(in_m, c.k128);
+                reg_in[2] = fold_finish(in_v, c.k128);
+            }
+            if (want_out) {
+                reg_out[0] = fold_finish(out_p, c.k128);
+                reg_out[1] = fold_finish(out_m, c.k128);
+                reg_out[2] = fold_finish(out_v, c.k128);
+            }
+        }
+        if (i < n) {  // the last < 8 elements, through the same body as in Loop8
+            const std::size_t r = n - i;
+            alignas(64) float tp[8] = {}, tm[8] = {}, tv[8] = {};
+            alignas(64) unsigned char tg[32] = {}, to[32] = {};
+            std::memcpy(tp, p + i, r * 4);
+            std::memcpy(tm, m + i, r * 4);
+            std::memcpy(tv, v + i, r * 4);
+            std::memcpy(tg, static_cast<const char*>(g) + i * gb, r * gb);
+            if (want_in) {
+                reg_in[0] = crc_floats(reg_in[0], tp, r);
+                reg_in[1] = crc_floats(reg_in[1], tm, r);
+                reg_in[2] = crc_floats(reg_in[2], tv, r);
+            }
+            body8<G, O, SmallWeight, Sq>(s, c.adam, tp, tm, tv, tg, to);
+            if (want_out) {
+                reg_out[0] = crc_floats(reg_out[0], tp, r);
+                reg_out[1] = crc_floats(reg_out[1], tm, r);
+                reg_out[2] = crc_floats(reg_out[2], tv, r);
+            }
+            std::memcpy(p + i, tp, r * 4);
+            std::memcpy(m + i, tm, r * 4);
+            std::memcpy(v + i, tv, r * 4);
+            if constexpr (O >= 0) std::memcpy(static_cast<char*>(out) + i * ob, to, r * ob);
+        }
+        for (int a = 0; a < 3; ++a) {
+            if (want_in) c.in[a] = ~reg_in[a];
+            if (want_out) c.out[a] = ~reg_out[a];
+        }
+    }
+};
+
 }  // namespace
 
-MLP_TARGET_AVX2 void adam_avx2(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt,
-                               void* out, DType odt, std::size_t n) {
+static MLP_TARGET_AVX2 Consts8 make_consts8(const AdamScalars& s) {
     Consts8 c;
     c.inv = _mm256_set1_ps(s.inv_loss_scale);
     c.clip = _mm256_set1_ps(s.clip_coef);
@@ -166,7 +313,26 @@ MLP_TARGET_AVX2 void adam_avx2(const AdamScalars& s, float* p, float* m, float* 
     c.bc2 = _mm256_set1_ps(s.bc2_sqrt);
     c.eps = _mm256_set1_ps(s.eps);
     c.nss = _mm256_set1_ps(s.neg_step_size);
-    adam_dispatch<Loop8>(s, c, p, m, v, g, gdt, out, odt, n);
+    return c;
+}
+
+MLP_TARGET_AVX2 void adam_avx2(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt,
+                               void* out, DType odt, std::size_t n) {
+    adam_dispatch<Loop8>(s, make_consts8(s), p, m, v, g, gdt, out, odt, n);
+}
+
+MLP_TARGET_AVX2_CLMUL void adam_avx2_checksummed(const AdamScalars& s, float* p, float* m, float* v, const void* g,
+                                                 DType gdt, void* out, DType odt, std::size_t n,
+                                                 std::uint32_t* in_crcs, std::uint32_t* out_crcs) {
+    std::uint64_t k256[2], k128[2];
+    crc32c_fold_constants(256, k256);
+    crc32c_fold_constants(128, k128);
+    const CrcConsts8 c{make_consts8(s),
+                       _mm256_set_epi64x(static_cast<long long>(k256[1]), static_cast<long long>(k256[0]),
+                                         static_cast<long long>(k256[1]), static_cast<long long>(k256[0])),
+                       _mm_set_epi64x(static_cast<long long>(k128[1]), static_cast<long long>(k128[0])),
+                       in_crcs, out_crcs};
+    adam_dispatch<Loop8Crc>(s, c, p, m, v, g, gdt, out, odt, n);
 }
 
 namespace {
@@ -226,6 +392,10 @@ namespace detail {
 void adam_avx2(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt, void* out, DType odt,
                std::size_t n) {
     adam_scalar(s, p, m, v, g, gdt, out, odt, n);
+}
+void adam_avx2_checksummed(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt, void* out,
+                           DType odt, std::size_t n, std::uint32_t*, std::uint32_t*) {
+    adam_scalar(s, p, m, v, g, gdt, out, odt, n);  // never called: crc32c_fold256_supported() is false
 }
 void stats_avx2(const void* g, DType dt, std::size_t n, GradStats* out) { stats_scalar(g, dt, n, out); }
 void sqrt_avx2(SqrtMode mode, const float* in, float* out, std::size_t n) { sqrt_scalar(mode, in, out, n); }

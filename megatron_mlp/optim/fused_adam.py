@@ -20,6 +20,7 @@ __all__ = [
     "fused_adam_step",
     "grad_stats",
     "kernel_isa",
+    "kernel_folds_checksums",
     "set_kernel_isa",
     "sqrt_mode",
     "set_sqrt_mode",
@@ -80,6 +81,14 @@ def _detect_torch_sqrt(kernel) -> str:
 def kernel_isa() -> str:
     """The kernel path in use: "avx512", "avx2" or "scalar"."""
     return _kernel().isa
+
+
+def kernel_folds_checksums() -> bool:
+    """Whether the kernel path in use folds the checksums it is asked for (``checksums``,
+    ``input_checksums``) from the vectors it loads and stores, with carry-less multiplies (the
+    AVX2 path on a CPU with VPCLMULQDQ), instead of checksumming each 16 KiB tile in a pass of its
+    own right before and after updating it (the other paths). The values are the same."""
+    return bool(_C.checksummed_update_supported(kernel_isa()))
 
 
 def set_kernel_isa(name: str) -> None:

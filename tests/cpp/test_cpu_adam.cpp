@@ -226,6 +226,62 @@ void test_step_checksums_before_and_after() {
     }
 }
 
+// adam_update_range_checksummed (the AVX2 path with VPCLMULQDQ) folds the state it loads and
+// stores: every length from empty to several vectors, at every misalignment of the arrays, gives
+// crc32c of the arrays before and after and the update of adam_update_range; elsewhere -ENOTSUP.
+void test_checksummed_range() {
+    mlp::AdamHyper h;
+    h.weight_decay = 0.1;
+    h.step = 5;
+    mlp::AdamScalars sc;
+    CHECK(mlp::make_adam_scalars(h, mlp::SqrtMode::kIeee, &sc) == 0, "scalars");
+    std::uint32_t in[3], out[3];
+    CHECK(mlp::adam_update_range_checksummed(mlp::Isa::kScalar, sc, nullptr, nullptr, nullptr, nullptr,
+                                             mlp::DType::kBFloat16, nullptr, mlp::DType::kBFloat16, 0, in,
+                                             out) == -ENOTSUP, "scalar path must refuse");
+    if (!mlp::checksummed_update_supported(mlp::Isa::kAvx2)) {
+        std::printf("checksummed range: skipped (no AVX2 with VPCLMULQDQ)\n");
+        return;
+    }
+    for (std::size_t n = 0; n <= 70; ++n) {
+        for (std::size_t shift : {0, 1, 3}) {  // element offset into the vectors: unaligned loads
+            State a = make_state(n + shift, mlp::DType::kBFloat16, mlp::DType::kBFloat16, static_cast<unsigned>(n));
+            for (std::size_t i = 0; i < n + shift; ++i) a.v[i] = 0.01f * static_cast<float>(i % 13);
+            State b = a;
+            float* arrays[3] = {a.p.data() + shift, a.m.data() + shift, a.v.data() + shift};
+            std::uint32_t want_in[3];
+            for (int k = 0; k < 3; ++k) want_in[k] = mlp::crc32c(arrays[k], n * 4);
+            CHECK(mlp::adam_update_range_checksummed(mlp::Isa::kAvx2, sc, arrays[0], arrays[1], arrays[2],
+                                                     a.grad.data() + shift * 2, mlp::DType::kBFloat16,
+                                                     a.out.data() + shift * 2, mlp::DType::kBFloat16, n, in,
+                                                     out) == 0, "n %zu", n);
+            CHECK(mlp::adam_update_range(mlp::Isa::kAvx2, sc, b.p.data() + shift, b.m.data() + shift,
+                                         b.v.data() + shift, b.grad.data() + shift * 2, mlp::DType::kBFloat16,
+                                         b.out.data() + shift * 2, mlp::DType::kBFloat16, n) == 0, "n %zu", n);
+            for (int k = 0; k < 3; ++k) {
+                CHECK(in[k] == want_in[k], "n %zu shift %zu array %d: before %08x != %08x", n, shift, k, in[k],
+                      want_in[k]);
+                CHECK(out[k] == mlp::crc32c(arrays[k], n * 4), "n %zu shift %zu array %d: after", n, shift, k);
+            }
+            CHECK(a.p == b.p && a.m == b.m && a.v == b.v && a.out == b.out, "n %zu shift %zu: update differs", n,
+                  shift);
+            // Either checksum alone.
+            State c = b, d = b;
+            std::uint32_t only[3];
+            CHECK(mlp::adam_update_range_checksummed(mlp::Isa::kAvx2, sc, c.p.data() + shift, c.m.data() + shift,
+                                                     c.v.data() + shift, c.grad.data() + shift * 2,
+                                                     mlp::DType::kBFloat16, nullptr, mlp::DType::kBFloat16, n,
+                                                     only, nullptr) == 0, "in only");
+            CHECK(only[0] == mlp::crc32c(b.p.data() + shift, n * 4), "n %zu: in only", n);
+            CHECK(mlp::adam_update_range_checksummed(mlp::Isa::kAvx2, sc, d.p.data() + shift, d.m.data() + shift,
+                                                     d.v.data() + shift, d.grad.data() + shift * 2,
+                                                     mlp::DType::kBFloat16, nullptr, mlp::DType::kBFloat16, n,
+                                                     nullptr, only) == 0, "out only");
+            CHECK(only[2] == mlp::crc32c(d.v.data() + shift, n * 4), "n %zu: out only", n);
+        }
+    }
+}
+
 }  // namespace
 
 int main() {
@@ -234,6 +290,7 @@ int main() {
     test_pool_covers_every_element_once();
     test_crc32c();
     test_step_checksums_before_and_after();
+    test_checksummed_range();
     if (g_failures) {
         std::fprintf(stderr, "test_cpu_adam: %d failure(s)\n", g_failures);
         return 1;

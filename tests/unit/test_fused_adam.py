@@ -487,3 +487,48 @@ def test_checksums_of_an_empty_range_are_those_of_empty_arrays():
                               eps=1e-8, weight_decay=0.0, step=1, checksums=True) == (0, 0, 0)
     assert fa.fused_adam_step(*empty, torch.empty(0, dtype=torch.bfloat16), lr=1e-3, beta1=0.9, beta2=0.999,
                               eps=1e-8, weight_decay=0.0, step=1, input_checksums=True) == ((0, 0, 0), None)
+
+
+def test_kernel_says_whether_it_folds_its_checksums_from_registers(isa):
+    # Only the AVX2 path folds, and only where the CPU has VPCLMULQDQ; the others checksum tiles.
+    assert fa.kernel_folds_checksums() == (isa == "avx2" and _C.checksummed_update_supported("avx2"))
+    assert not _C.checksummed_update_supported("scalar")
+
+
+@pytest.mark.skipif(not _C.checksummed_update_supported("avx2"), reason="needs AVX2 with VPCLMULQDQ")
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16, torch.float32])
+def test_folded_checksums_are_the_crc32c_of_the_arrays_for_every_length_around_the_vector_width(grad_dtype,
+                                                                                               out_dtype):
+    # The AVX2 path folds eight elements at a time and finishes the last 1-7 with the crc32
+    # instruction: every length from empty to a few vectors, and long ones split over threads,
+    # must give crc32c of the arrays before and after, and the update of the scalar path.
+    from megatron_mlp.optim.checksum import crc32c
+    previous = fa.kernel_isa()
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=7, inv_loss_scale=0.5,
+                 clip_coef=0.75)
+    try:
+        # The last length is split over two threads (kMinElemsPerThread = 1 << 15 elements each).
+        for n in [*range(0, 41), 63, 64, 65, 4095, 4097, 2 * (1 << 15) + 13]:
+            gen = torch.Generator().manual_seed(n)
+            state = [torch.randn(n, generator=gen), torch.randn(n, generator=gen),
+                     torch.rand(n, generator=gen)]
+            grad = (torch.randn(n, generator=gen) * 1e-2).to(grad_dtype)
+            plain = [t.clone() for t in state]
+            want_before = tuple(crc32c(t) for t in state)
+            out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
+            plain_out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
+            fa.set_kernel_isa("avx2")
+            assert fa.kernel_folds_checksums()
+            before, after = fa.fused_adam_step(*state, grad, out, checksums=True, input_checksums=True,
+                                               num_threads=2, **hyper)
+            fa.set_kernel_isa("scalar")
+            fa.fused_adam_step(*plain, grad, plain_out, num_threads=2, **hyper)
+            assert before == want_before, n
+            assert after == tuple(crc32c(t) for t in state), n
+            for name, a, b in zip(("param", "exp_avg", "exp_avg_sq", "param_out"), state + [out],
+                                  plain + [plain_out]):
+                if a is not None:
+                    assert torch.equal(bits(a), bits(b)), f"{name}, n={n}"
+    finally:
+        fa.set_kernel_isa(previous)

@@ -18,9 +18,10 @@ def test_bench_adam_prints_one_json_object_with_all_figures_when_json_requested(
     for key in ("mlp_gparams_s", "torch_gparams_s", "bound_gparams_s", "ratio_vs_torch", "fraction_of_bound",
                 "isa", "threads", "copy_gbs", "torch_copy_gbs", "pool_copy_gbs", "bytes_per_param", "crc32c_gbs"):
         assert key in result, key
-    for key in ("mlp_gparams_s", "mlp_checksums_gparams_s", "torch_gparams_s", "bound_gparams_s", "copy_gbs",
-                "crc32c_gbs"):
+    for key in ("mlp_gparams_s", "mlp_checksums_gparams_s", "mlp_both_checksums_gparams_s", "torch_gparams_s",
+                "bound_gparams_s", "copy_gbs", "crc32c_gbs"):
         assert result[key] > 0, key
+    assert result["kernel_checksums"] in ("folded from registers", "tile by tile")
     assert result["bytes_per_param"] == {"bf16": 28, "fp16": 28, "fp32": 30}[grad_dtype]
     assert result["ratio_vs_torch"] == pytest.approx(result["mlp_gparams_s"] / result["torch_gparams_s"])
     assert ("deepspeed_gparams_s" in result) != ("deepspeed_unavailable" in result)
@@ -32,6 +33,8 @@ def test_bench_adam_prints_table_with_baseline_and_bound_when_run_from_cli(capsy
     assert rc == 0
     out = capsys.readouterr().out
     assert "torch AdamW(fused=True) + upcast" in out
+    assert "... and of p, m, v as read" in out
+    assert "kernel checksums: " in out
     assert "fraction of bound" in out
     assert "bytes per param = read p,m,v 12 + read grad 2 + write p,m,v 12 + write params out 2 = 28" in out
 

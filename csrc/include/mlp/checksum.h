@@ -21,6 +21,13 @@ bool crc32c_vpclmul_supported();
 std::uint32_t crc32c(const void* data, std::size_t nbytes, std::uint32_t seed = 0,
                      Crc32cImpl impl = Crc32cImpl::kAuto);
 
+// For kernels that fold data they already hold in vector registers (the AVX2 Adam kernel's
+// checksums): whether this CPU has the 256-bit (VEX) VPCLMULQDQ and the SSE4.2 crc32 they need,
+// and the two carry-less multiply constants that fold a 128-bit lane of a reflected CRC-32C
+// register `bits` bits forward ({x^(bits+63), x^(bits-1)} mod P, bit-reflected; `bits` >= 64).
+bool crc32c_fold256_supported();
+void crc32c_fold_constants(std::size_t bits, std::uint64_t out[2]);
+
 // CRC-32C of the concatenation A||B from crc_a = crc32c(A), crc_b = crc32c(B) and |B|, in
 // O(log |B|) matrix work: lets several threads (or I/O completions) checksum pieces of one
 // subgroup independently.

@@ -86,6 +86,16 @@ int make_adam_scalars(const AdamHyper& h, SqrtMode mode, AdamScalars* out);
 int adam_update_range(Isa isa, const AdamScalars& s, float* param, float* exp_avg, float* exp_avg_sq,
                       const void* grad, DType grad_dtype, void* out, DType out_dtype, std::size_t n);
 
+// adam_update_range that also gives the CRC-32C (seed 0) of the param, exp_avg and exp_avg_sq
+// arrays as they were before the update (`in_crcs`, 3 values; may be null) and after it
+// (`out_crcs`; may be null), folded from the vectors the update loads and stores. Only where
+// checksummed_update_supported(isa); returns -ENOTSUP elsewhere, 0 or -EINVAL as
+// adam_update_range otherwise.
+bool checksummed_update_supported(Isa isa);
+int adam_update_range_checksummed(Isa isa, const AdamScalars& s, float* param, float* exp_avg, float* exp_avg_sq,
+                                  const void* grad, DType grad_dtype, void* out, DType out_dtype, std::size_t n,
+                                  std::uint32_t* in_crcs, std::uint32_t* out_crcs);
+
 // Partial gradient statistics of one range: sum of squares (double) and non-finite detection.
 struct GradStats {
     double sum_of_squares = 0.0;
@@ -147,7 +157,9 @@ public:
     // cache: the write-back needs them, and a separate pass would stream the state through
     // memory once more. When `in_crcs` is not null it receives the CRC-32C of the three arrays
     // as they were before the update, computed the same way: a region read back from storage is
-    // verified by the pass that updates it instead of a pass of its own. Returns 0 or -EINVAL.
+    // verified by the pass that updates it instead of a pass of its own. On the AVX2 path of a
+    // CPU with VPCLMULQDQ both are folded from the vectors the update loads and stores instead
+    // of tile by tile (adam_update_range_checksummed). Returns 0 or -EINVAL.
     int step(const AdamHyper& hyper, float* param, float* exp_avg, float* exp_avg_sq, const void* grad,
              DType grad_dtype, void* out, DType out_dtype, std::size_t n, int num_threads = 0,
              std::uint32_t* crcs = nullptr, std::uint32_t* in_crcs = nullptr);
@@ -185,6 +197,9 @@ void adam_avx2(const AdamScalars& s, float* p, float* m, float* v, const void* g
                DType odt, std::size_t n);
 void adam_avx512(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt, void* out,
                  DType odt, std::size_t n);
+// adam_avx2 folding the loaded and stored state into CRC-32Cs (crc32c_fold256_supported CPUs).
+void adam_avx2_checksummed(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt, void* out,
+                           DType odt, std::size_t n, std::uint32_t* in_crcs, std::uint32_t* out_crcs);
 void stats_scalar(const void* g, DType dt, std::size_t n, GradStats* out);
 void stats_avx2(const void* g, DType dt, std::size_t n, GradStats* out);
 void stats_avx512(const void* g, DType dt, std::size_t n, GradStats* out);

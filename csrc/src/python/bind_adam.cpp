@@ -60,6 +60,9 @@ void bind_adam(py::module_& m) {
     m.def("isa_supported", [](const std::string& name) { return isa_supported(parse_isa(name)); },
           "Whether this CPU can run the given kernel ISA ('avx512', 'avx2', 'scalar').");
     m.def("best_isa", [] { return std::string(isa_name(best_isa())); });
+    m.def("checksummed_update_supported",
+          [](const std::string& name) { return checksummed_update_supported(parse_isa(name)); },
+          "Whether the kernel path `name` folds its checksums from the vectors it loads and stores");
     m.def("sqrt_mode_supported", [](const std::string& name) { return sqrt_mode_supported(parse_sqrt(name)); });
 
     py::class_<CpuAdam>(m, "CpuAdam")
