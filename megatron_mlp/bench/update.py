@@ -288,6 +288,9 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
         finally:
             opt.close()
             del opt
+        if name == MLP_NAME:
+            barrier.wait()
+            result["kernel_floor"] = kernel_floor(args, numel, grads, params_out, stats)
     if queue is not None:
         queue.put(result)
     return result
@@ -314,6 +317,40 @@ def _paired_with_replay(args, tiers, numel, opt, stats, grads, params_out, barri
             barrier.wait()
             replay_steps.append(replay.step())
     return {"mlp_steps_s": mlp_steps, "replay_steps_s": replay_steps, "moves": moves}
+
+
+def kernel_floor(args, numel, grads, params_out, stats, passes: int = 3) -> dict:
+    """The step's kernels alone, back to back with no I/O: the CPU floor of a step.
+
+    Every subgroup's fused Adam on the threads the step gives a kernel while its tiers move data
+    (``threads_beside_io``), with the checksums of a steady step: crc32c of the state written back
+    (as many subgroups as the step flushed) and of the state read (as many as it fetched). One
+    subgroup's state serves every kernel (larger than the caches, as the pool's buffers are).
+    Where the kernels on the cores left beside the I/O take longer than the tiers need, this, not
+    the I/O bound, is what a step can reach. Median of ``passes``.
+    """
+    import torch
+
+    from megatron_mlp.optim.fused_adam import fused_adam_step, threads_beside_io
+    from megatron_mlp.optim.subgroups import SubgroupPlan
+
+    plan = SubgroupPlan([(0, numel)], args.subgroup_params)
+    steady = stats[_steady_slice(len(stats))]
+    written = round(statistics.median(sum(t["flushes"] for t in st["tiers"]) for st in steady))
+    fetched = round(statistics.median(sum(t["fetches"] for t in st["tiers"]) for st in steady))
+    threads = threads_beside_io(True, args.adam_threads)
+    size = max(sg.numel for sg in plan)
+    p, m, v = torch.randn(size), torch.zeros(size), torch.zeros(size)
+    seconds = []
+    for step in range(1, passes + 1):
+        t0 = time.perf_counter()
+        for k, sg in enumerate(plan):
+            fused_adam_step(p[:sg.numel], m[:sg.numel], v[:sg.numel], grads[sg.start:sg.end],
+                            params_out[sg.start:sg.end], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                            weight_decay=0.0, step=step, num_threads=threads, checksums=k < written,
+                            input_checksums=k >= len(plan) - fetched)
+        seconds.append(time.perf_counter() - t0)
+    return {"seconds": statistics.median(seconds), "threads": threads, "written": written, "fetched": fetched}
 
 
 def _rank_main(rank, args, tiers, barrier, queue):
@@ -413,6 +450,8 @@ def summarize(args, tiers, bandwidth, results) -> dict:
     diffs = [a - b for a, b in zip(paired_mlp[kept], replay_steps[kept])]
     replay_s = _steady(replay_steps)[0] if moved else None
     paired_mlp_s = _steady(paired_mlp)[0]
+    kernel_floor_s = max(r["kernel_floor"]["seconds"] for r in results)
+    step_floor_s = max(lower_bound_s, kernel_floor_s)
     base_last = results[0]["baseline"]["last"]
     mlp_last = last_stats[0][-1]
     return {
@@ -446,6 +485,9 @@ def summarize(args, tiers, bandwidth, results) -> dict:
         "pipeline_overhead_stderr_s": (statistics.stdev(diffs) / len(diffs) ** 0.5
                                        if replay_s and len(diffs) > 1 else None),
         "replay_vs_lower_bound": replay_s / lower_bound_s if replay_s and lower_bound_s > 0 else None,
+        "kernel_floor_s": kernel_floor_s, "kernel_floor_threads": results[0]["kernel_floor"]["threads"],
+        "step_floor_s": step_floor_s,
+        "mlp_vs_step_floor": mlp_s / step_floor_s if step_floor_s > 0 else None,
         "policy_floor_s": floor_s,
         "mlp_warm_bytes": warm_bytes,
         "speedup_ceiling": baseline_s / floor_s if floor_s > 0 else None,
@@ -493,6 +535,9 @@ def _text(summary) -> str:
     lines.append(f"MLP-Offload: {summary['mlp_s']:.2f} s -> {summary['speedup']:.2f}x the baseline; "
                  f"I/O lower bound {summary['lower_bound_s']:.2f} s (x{summary['mlp_vs_lower_bound']:.2f}); "
                  f"placement model predicted {summary['predicted_s']:.2f} s")
+    lines.append(f"the step's kernels alone on {summary['kernel_floor_threads'] or 'every'} thread(s), no I/O: "
+                 f"{summary['kernel_floor_s']:.2f} s; the step's floor, the larger of that and the I/O bound: "
+                 f"{summary['step_floor_s']:.2f} s (x{summary['mlp_vs_step_floor']:.2f})")
     if summary["replay_s"] is not None:
         err = summary["pipeline_overhead_stderr_s"]
         lines.append(f"the same bytes moved by the engine alone (no kernel, no pipeline), after each of "

@@ -1,6 +1,7 @@
 """Smoke test of `megatron-mlp bench update` with tiny sizes (figures are not asserted, structure is)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -66,6 +67,10 @@ def test_bench_update_reports_baseline_mlp_ablation_and_bounds_when_run_tiny(cap
     # After the two warm-up pairs, as every median: one pair here, so no standard error.
     assert s["pipeline_overhead_s"] == pytest.approx(s["mlp_paired_steps_s"][2] - s["replay_steps_s"][2])
     assert s["pipeline_overhead_stderr_s"] is None
+    # The step's CPU floor: its kernels alone, and the larger of that and the I/O bound.
+    assert s["kernel_floor_s"] > 0
+    assert s["step_floor_s"] == max(s["lower_bound_s"], s["kernel_floor_s"])
+    assert s["mlp_vs_step_floor"] == pytest.approx(s["mlp_s"] / s["step_floor_s"])
     leftovers = [n for d in (disk_dir, shm_dir) for n in os.listdir(d)]
     assert leftovers == [], f"bench left files behind: {leftovers}"
 
@@ -98,8 +103,9 @@ def test_adam_threads_of_a_bench_update_run_reach_both_sides(capsys, disk_dir, k
                  "--calib-bytes", "4MB", "--steps", "2", "--no-ablation", "--no-interference", "--adam-threads", "1")
     assert s["config"]["adam_threads"] == 1
     subgroups = 300000 // 50000
-    assert len(threads) == 3 * 2 * subgroups, \
-        "two steps of the baseline, two of MLP-Offload and two more paired with the replay"
+    assert len(threads) == 3 * 2 * subgroups + 3 * subgroups, \
+        "two steps of the baseline, two of MLP-Offload, two more paired with the replay, and three " \
+        "passes of the kernels alone (the step's CPU floor)"
     assert set(threads) == {1}
 
 
@@ -171,6 +177,35 @@ def test_zero3_baseline_computes_the_same_adamw_as_torch(disk_dir):
         base.close()
         eng.close()
     assert os.listdir(disk_dir) == []
+
+
+def test_kernel_floor_runs_every_subgroups_kernel_with_a_steady_steps_checksums_beside_io(monkeypatch):
+    """The floor times the kernels a steady step runs: one per subgroup, on the threads a kernel
+    gets while I/O is in flight, checksumming as many written-back and read subgroups as the step
+    did (medians over the steady steps), without the warm-up steps' counts."""
+    import torch
+
+    import megatron_mlp.optim.fused_adam as fused_adam
+
+    calls = []
+    monkeypatch.setattr(fused_adam, "fused_adam_step",
+                        lambda p, *a, num_threads, checksums, input_checksums, **k:
+                        calls.append((p.numel(), num_threads, checksums, input_checksums)))
+    monkeypatch.setattr(fused_adam, "threads_beside_io", lambda busy, requested: 7 if busy else 99)
+
+    def stats(flushes, fetches):
+        return {"tiers": [{"flushes": flushes, "fetches": fetches - 1}, {"flushes": 0, "fetches": 1}]}
+
+    steps = [stats(9, 9), stats(9, 9), stats(2, 3), stats(2, 3), stats(2, 3)]
+    args = argparse.Namespace(subgroup_params=1000, adam_threads=0)
+    numel = 5500                     # six subgroups, the last one of 500
+    out = update.kernel_floor(args, numel, torch.zeros(numel, dtype=torch.bfloat16),
+                              torch.zeros(numel, dtype=torch.bfloat16), steps, passes=2)
+    assert out["seconds"] >= 0 and out["threads"] == 7
+    assert (out["written"], out["fetched"]) == (2, 3)
+    one_pass = [(1000, 7, True, False), (1000, 7, True, False), (1000, 7, False, False),
+                (1000, 7, False, True), (1000, 7, False, True), (500, 7, False, True)]
+    assert calls == one_pass * 2
 
 
 def test_medians_leave_out_the_two_warm_up_steps_when_there_are_more():
