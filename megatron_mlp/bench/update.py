@@ -28,7 +28,10 @@ figures alike:
    engine alone moving the bytes of one of its steady steps on each tier -- no kernel, no
    checksum, no pipeline (``bench/replay.py``). A pair sees the same disk, so the mean of their
    differences is what the pipeline costs, and the replay over the lower bound is how far the
-   disk itself was from its passes' bandwidth meanwhile.
+   disk itself was from its passes' bandwidth meanwhile;
+8. the kernels alone: every subgroup's kernel back to back with a steady step's checksums, on the
+   threads the step gives a kernel beside I/O (``kernel_floor``) -- where they take longer than the
+   I/O bound, they are the step's floor.
 
 A path with ``qos=`` is an emulated slower tier (the engine's bandwidth cap) and is labelled so.
 Times are medians over the steps after the warm-up (``WARMUP_STEPS``), the same for every side.
