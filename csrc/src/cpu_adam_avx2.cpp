@@ -144,6 +144,30 @@ MLP_TARGET_AVX2 inline void body8(const AdamScalars& s, const Consts8& c, float*
     if constexpr (O >= 0) store8(out, static_cast<DType>(O), y.p);
 }
 
+// The last r < 8 elements of a loop, staged in zero-padded vectors so they go through the same
+// body as the others.
+struct Tail8 {
+    alignas(64) float p[8] = {}, m[8] = {}, v[8] = {};
+    alignas(64) unsigned char g[32] = {}, out[32] = {};
+    std::size_t r;
+
+    Tail8(const float* ps, const float* ms, const float* vs, const void* gs, std::size_t gb, std::size_t n)
+        : r(n) {
+        std::memcpy(p, ps, r * 4);
+        std::memcpy(m, ms, r * 4);
+        std::memcpy(v, vs, r * 4);
+        std::memcpy(g, gs, r * gb);
+    }
+
+    // Copies the updated elements (and `ob`-byte outputs, when `o` is not null) back.
+    void write_back(float* pd, float* md, float* vd, void* o, std::size_t ob) const {
+        std::memcpy(pd, p, r * 4);
+        std::memcpy(md, m, r * 4);
+        std::memcpy(vd, v, r * 4);
+        if (o) std::memcpy(o, out, r * ob);
+    }
+};
+
 template <DType G, int O, bool SmallWeight, int Sq>
 struct Loop8 {
     MLP_TARGET_AVX2 static void run(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v,
@@ -156,18 +180,9 @@ struct Loop8 {
                                             O >= 0 ? static_cast<char*>(out) + i * ob : nullptr);
         }
         if (i < n) {
-            const std::size_t r = n - i;
-            alignas(64) float tp[8] = {}, tm[8] = {}, tv[8] = {};
-            alignas(64) unsigned char tg[32] = {}, to[32] = {};
-            std::memcpy(tp, p + i, r * 4);
-            std::memcpy(tm, m + i, r * 4);
-            std::memcpy(tv, v + i, r * 4);
-            std::memcpy(tg, static_cast<const char*>(g) + i * gb, r * gb);
-            body8<G, O, SmallWeight, Sq>(s, c, tp, tm, tv, tg, to);
-            std::memcpy(p + i, tp, r * 4);
-            std::memcpy(m + i, tm, r * 4);
-            std::memcpy(v + i, tv, r * 4);
-            if constexpr (O >= 0) std::memcpy(static_cast<char*>(out) + i * ob, to, r * ob);
+            Tail8 t(p + i, m + i, v + i, static_cast<const char*>(g) + i * gb, gb, n - i);
+            body8<G, O, SmallWeight, Sq>(s, c, t.p, t.m, t.v, t.g, t.out);
+            t.write_back(p + i, m + i, v + i, O >= 0 ? static_cast<char*>(out) + i * ob : nullptr, ob);
         }
     }
 };
@@ -269,28 +284,19 @@ struct Loop8Crc {
             }
         }
         if (i < n) {  // the last < 8 elements, through the same body as in Loop8
-            const std::size_t r = n - i;
-            alignas(64) float tp[8] = {}, tm[8] = {}, tv[8] = {};
-            alignas(64) unsigned char tg[32] = {}, to[32] = {};
-            std::memcpy(tp, p + i, r * 4);
-            std::memcpy(tm, m + i, r * 4);
-            std::memcpy(tv, v + i, r * 4);
-            std::memcpy(tg, static_cast<const char*>(g) + i * gb, r * gb);
+            Tail8 t(p + i, m + i, v + i, static_cast<const char*>(g) + i * gb, gb, n - i);
             if (want_in) {
-                reg_in[0] = crc_floats(reg_in[0], tp, r);
-                reg_in[1] = crc_floats(reg_in[1], tm, r);
-                reg_in[2] = crc_floats(reg_in[2], tv, r);
+                reg_in[0] = crc_floats(reg_in[0], t.p, t.r);
+                reg_in[1] = crc_floats(reg_in[1], t.m, t.r);
+                reg_in[2] = crc_floats(reg_in[2], t.v, t.r);
             }
-            body8<G, O, SmallWeight, Sq>(s, c.adam, tp, tm, tv, tg, to);
+            body8<G, O, SmallWeight, Sq>(s, c.adam, t.p, t.m, t.v, t.g, t.out);
             if (want_out) {
-                reg_out[0] = crc_floats(reg_out[0], tp, r);
-                reg_out[1] = crc_floats(reg_out[1], tm, r);
-                reg_out[2] = crc_floats(reg_out[2], tv, r);
+                reg_out[0] = crc_floats(reg_out[0], t.p, t.r);
+                reg_out[1] = crc_floats(reg_out[1], t.m, t.r);
+                reg_out[2] = crc_floats(reg_out[2], t.v, t.r);
             }
-            std::memcpy(p + i, tp, r * 4);
-            std::memcpy(m + i, tm, r * 4);
-            std::memcpy(v + i, tv, r * 4);
-            if constexpr (O >= 0) std::memcpy(static_cast<char*>(out) + i * ob, to, r * ob);
+            t.write_back(p + i, m + i, v + i, O >= 0 ? static_cast<char*>(out) + i * ob : nullptr, ob);
         }
         for (int a = 0; a < 3; ++a) {
             if (want_in) c.in[a] = ~reg_in[a];
@@ -324,13 +330,18 @@ MLP_TARGET_AVX2 void adam_avx2(const AdamScalars& s, float* p, float* m, float* 
 MLP_TARGET_AVX2_CLMUL void adam_avx2_checksummed(const AdamScalars& s, float* p, float* m, float* v, const void* g,
                                                  DType gdt, void* out, DType odt, std::size_t n,
                                                  std::uint32_t* in_crcs, std::uint32_t* out_crcs) {
-    std::uint64_t k256[2], k128[2];
-    crc32c_fold_constants(256, k256);
-    crc32c_fold_constants(128, k128);
+    struct FoldKeys {   // derived once per process, not per call and thread
+        std::uint64_t k256[2], k128[2];
+        FoldKeys() {
+            crc32c_fold_constants(256, k256);
+            crc32c_fold_constants(128, k128);
+        }
+    };
+    static const FoldKeys k;
     const CrcConsts8 c{make_consts8(s),
-                       _mm256_set_epi64x(static_cast<long long>(k256[1]), static_cast<long long>(k256[0]),
-                                         static_cast<long long>(k256[1]), static_cast<long long>(k256[0])),
-                       _mm_set_epi64x(static_cast<long long>(k128[1]), static_cast<long long>(k128[0])),
+                       _mm256_set_epi64x(static_cast<long long>(k.k256[1]), static_cast<long long>(k.k256[0]),
+                                         static_cast<long long>(k.k256[1]), static_cast<long long>(k.k256[0])),
+                       _mm_set_epi64x(static_cast<long long>(k.k128[1]), static_cast<long long>(k.k128[0])),
                        in_crcs, out_crcs};
     adam_dispatch<Loop8Crc>(s, c, p, m, v, g, gdt, out, odt, n);
 }
