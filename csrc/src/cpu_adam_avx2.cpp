@@ -192,12 +192,17 @@ struct Loop8 {
 // A region read back from storage is verified, and one to be written back is checksummed, by
 // the pass that updates it. Checksumming a 16 KiB tile in a pass of its own right before and
 // after its update (the other paths) streams every byte through the crc32 instruction in a
-// second loop; here the vectors the update loads and stores are folded into CRC-32C
-// accumulators while they are in registers, with carry-less multiplies the core runs beside the
-// loads it is waiting for. Each array has one 256-bit accumulator: its two 128-bit lanes are the
-// last 32 bytes, folded 256 bits forward by each next 32 bytes, as crc32c_vpclmul does with four
-// 512-bit accumulators. Measured on a 2-core AMD EPYC (Zen 3) with one thread, 50M elements:
-// see docs/benchmarks/adam.md.
+// second loop; here each 32 bytes the update loads or stores are checksummed while they are in
+// registers or in L1, by two units the update leaves idle in turns:
+//   - p, m, v as loaded and p as stored: the crc32 instruction (integer pipes), one chain per
+//     array, reading the 32 bytes again from L1;
+//   - m, v as stored: folded into one 256-bit CRC-32C accumulator per array with carry-less
+//     multiplies (its two 128-bit lanes are the last 32 bytes, folded 256 bits forward by each
+//     next 32 bytes, as crc32c_vpclmul does with four 512-bit accumulators).
+// Folding all six streams left the floating-point pipes, which the update's divisions and
+// square root keep busy, with 12 ymm carry-less multiplies per 8 elements; chaining all six
+// through crc32 made the integer side the longer one. The split above was the fastest of the
+// splits measured on a 2-core AMD EPYC (Zen 3): see docs/benchmarks/adam.md.
 #define MLP_TARGET_AVX2_CLMUL __attribute__((target("avx2,fma,f16c,vpclmulqdq,pclmul,sse4.2")))
 
 struct CrcConsts8 {
@@ -234,6 +239,19 @@ MLP_TARGET_AVX2_CLMUL inline std::uint32_t crc_floats(std::uint32_t reg, const f
     return reg;
 }
 
+// Extends a CRC register by the 32 bytes of 8 floats (read from L1: they were just loaded or
+// stored).
+MLP_TARGET_AVX2_CLMUL inline std::uint32_t crc_8floats(std::uint32_t reg, const float* x) {
+    std::uint64_t w[4];
+    std::memcpy(w, x, 32);
+    std::uint64_t c = reg;
+    c = _mm_crc32_u64(c, w[0]);
+    c = _mm_crc32_u64(c, w[1]);
+    c = _mm_crc32_u64(c, w[2]);
+    c = _mm_crc32_u64(c, w[3]);
+    return static_cast<std::uint32_t>(c);
+}
+
 template <DType G, int O, bool SmallWeight, int Sq>
 struct Loop8Crc {
     MLP_TARGET_AVX2_CLMUL static void run(const AdamScalars& s, const CrcConsts8& c, float* p, float* m, float* v,
@@ -244,44 +262,34 @@ struct Loop8Crc {
         // Registers of a fresh CRC (seed 0); they enter the message as its first 32 bits.
         std::uint32_t reg_in[3] = {~0u, ~0u, ~0u}, reg_out[3] = {~0u, ~0u, ~0u};
         std::size_t i = 0;
-        if (n >= 8) {
-            const __m256i seed = _mm256_set_epi32(0, 0, 0, 0, 0, 0, 0, -1);
-            const State8 x = load_state8(p, m, v);
-            const State8 y = update8<G, SmallWeight, Sq>(s, c.adam, x, g);
-            store_state8(p, m, v, y);
-            if constexpr (O >= 0) store8(out, static_cast<DType>(O), y.p);
-            __m256i in_p = _mm256_xor_si256(_mm256_castps_si256(x.p), seed);
-            __m256i in_m = _mm256_xor_si256(_mm256_castps_si256(x.m), seed);
-            __m256i in_v = _mm256_xor_si256(_mm256_castps_si256(x.v), seed);
-            __m256i out_p = _mm256_xor_si256(_mm256_castps_si256(y.p), seed);
-            __m256i out_m = _mm256_xor_si256(_mm256_castps_si256(y.m), seed);
-            __m256i out_v = _mm256_xor_si256(_mm256_castps_si256(y.v), seed);
-            for (i = 8; i + 8 <= n; i += 8) {
-                const State8 xi = load_state8(p + i, m + i, v + i);
-                if (want_in) {
-                    in_p = fold256(in_p, c.k256, xi.p);
-                    in_m = fold256(in_m, c.k256, xi.m);
-                    in_v = fold256(in_v, c.k256, xi.v);
-                }
-                const State8 yi = update8<G, SmallWeight, Sq>(s, c.adam, xi, static_cast<const char*>(g) + i * gb);
-                store_state8(p + i, m + i, v + i, yi);
-                if constexpr (O >= 0) store8(static_cast<char*>(out) + i * ob, static_cast<DType>(O), yi.p);
-                if (want_out) {
-                    out_p = fold256(out_p, c.k256, yi.p);
+        // The crc32 chains need no first step of their own; the folds start from the first
+        // stored vectors with the register's seed in their first 32 bits.
+        __m256i out_m = _mm256_setzero_si256(), out_v = _mm256_setzero_si256();
+        for (; i + 8 <= n; i += 8) {
+            const State8 xi = load_state8(p + i, m + i, v + i);
+            if (want_in) {
+                reg_in[0] = crc_8floats(reg_in[0], p + i);
+                reg_in[1] = crc_8floats(reg_in[1], m + i);
+                reg_in[2] = crc_8floats(reg_in[2], v + i);
+            }
+            const State8 yi = update8<G, SmallWeight, Sq>(s, c.adam, xi, static_cast<const char*>(g) + i * gb);
+            store_state8(p + i, m + i, v + i, yi);
+            if constexpr (O >= 0) store8(static_cast<char*>(out) + i * ob, static_cast<DType>(O), yi.p);
+            if (want_out) {
+                reg_out[0] = crc_8floats(reg_out[0], p + i);
+                if (i == 0) {
+                    const __m256i seed = _mm256_set_epi32(0, 0, 0, 0, 0, 0, 0, -1);
+                    out_m = _mm256_xor_si256(_mm256_castps_si256(yi.m), seed);
+                    out_v = _mm256_xor_si256(_mm256_castps_si256(yi.v), seed);
+                } else {
                     out_m = fold256(out_m, c.k256, yi.m);
                     out_v = fold256(out_v, c.k256, yi.v);
                 }
             }
-            if (want_in) {
-                reg_in[0] = fold_finish(in_p, c.k128);
-                reg_in[1] = fold_finish(in_m, c.k128);
-                reg_in[2] = fold_finish(in_v, c.k128);
-            }
-            if (want_out) {
-                reg_out[0] = fold_finish(out_p, c.k128);
-                reg_out[1] = fold_finish(out_m, c.k128);
-                reg_out[2] = fold_finish(out_v, c.k128);
-            }
+        }
+        if (want_out && i > 0) {
+            reg_out[1] = fold_finish(out_m, c.k128);
+            reg_out[2] = fold_finish(out_v, c.k128);
         }
         if (i < n) {  // the last < 8 elements, through the same body as in Loop8
             Tail8 t(p + i, m + i, v + i, static_cast<const char*>(g) + i * gb, gb, n - i);
