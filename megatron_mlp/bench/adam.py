@@ -178,7 +178,7 @@ def run(args) -> dict:
         "mlp_checksums_gparams_s_max": ck["max"],
         "mlp_both_checksums_gparams_s": both["median"], "mlp_both_checksums_gparams_s_min": both["min"],
         "mlp_both_checksums_gparams_s_max": both["max"],
-        "kernel_checksums": "folded from registers" if fa.kernel_folds_checksums() else "tile by tile",
+        "kernel_checksums": "in the update pass" if fa.kernel_checksums_in_pass() else "tile by tile",
         "mlp_gparams_s": mlp["median"], "mlp_gparams_s_min": mlp["min"], "mlp_gparams_s_max": mlp["max"],
         "torch_gparams_s": tor["median"], "torch_gparams_s_min": tor["min"], "torch_gparams_s_max": tor["max"],
         "copy_gbs": bw / 1e9, "torch_copy_gbs": statistics.median(copy_rates) / 1e9,

@@ -20,7 +20,7 @@ __all__ = [
     "fused_adam_step",
     "grad_stats",
     "kernel_isa",
-    "kernel_folds_checksums",
+    "kernel_checksums_in_pass",
     "set_kernel_isa",
     "sqrt_mode",
     "set_sqrt_mode",
@@ -83,11 +83,12 @@ def kernel_isa() -> str:
     return _kernel().isa
 
 
-def kernel_folds_checksums() -> bool:
-    """Whether the kernel path in use folds the checksums it is asked for (``checksums``,
-    ``input_checksums``) from the vectors it loads and stores, with carry-less multiplies (the
-    AVX2 path on a CPU with VPCLMULQDQ), instead of checksumming each 16 KiB tile in a pass of its
-    own right before and after updating it (the other paths). The values are the same."""
+def kernel_checksums_in_pass() -> bool:
+    """Whether the kernel path in use computes the checksums it is asked for (``checksums``,
+    ``input_checksums``) in its update pass, from the vectors it loads and stores while they are
+    in registers or L1 (the AVX2 path on a CPU with VPCLMULQDQ: crc32 chains and carry-less
+    folds), instead of checksumming each 16 KiB tile in a pass of its own right before and after
+    updating it (the other paths). The values are the same."""
     return bool(_C.checksummed_update_supported(kernel_isa()))
 
 

@@ -491,7 +491,7 @@ def test_checksums_of_an_empty_range_are_those_of_empty_arrays():
 
 def test_kernel_says_whether_it_folds_its_checksums_from_registers(isa):
     # Only the AVX2 path folds, and only where the CPU has VPCLMULQDQ; the others checksum tiles.
-    assert fa.kernel_folds_checksums() == (isa == "avx2" and _C.checksummed_update_supported("avx2"))
+    assert fa.kernel_checksums_in_pass() == (isa == "avx2" and _C.checksummed_update_supported("avx2"))
     assert not _C.checksummed_update_supported("scalar")
 
 
@@ -519,7 +519,7 @@ def test_folded_checksums_are_the_crc32c_of_the_arrays_for_every_length_around_t
             out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
             plain_out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
             fa.set_kernel_isa("avx2")
-            assert fa.kernel_folds_checksums()
+            assert fa.kernel_checksums_in_pass()
             before, after = fa.fused_adam_step(*state, grad, out, checksums=True, input_checksums=True,
                                                num_threads=2, **hyper)
             fa.set_kernel_isa("scalar")
