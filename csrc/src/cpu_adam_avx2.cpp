@@ -193,14 +193,14 @@ struct Loop8 {
 // the pass that updates it. Checksumming a 16 KiB tile in a pass of its own right before and
 // after its update (the other paths) streams every byte through the crc32 instruction in a
 // second loop; here each 32 bytes the update loads or stores are checksummed while they are in
-// registers or in L1, by two units the update leaves idle in turns:
+// registers or in L1, split between two kinds of execution pipes:
 //   - p, m, v as loaded and p as stored: the crc32 instruction (integer pipes), one chain per
 //     array, reading the 32 bytes again from L1;
 //   - m, v as stored: folded into one 256-bit CRC-32C accumulator per array with carry-less
 //     multiplies (its two 128-bit lanes are the last 32 bytes, folded 256 bits forward by each
 //     next 32 bytes, as crc32c_vpclmul does with four 512-bit accumulators).
-// Folding all six streams left the floating-point pipes, which the update's divisions and
-// square root keep busy, with 12 ymm carry-less multiplies per 8 elements; chaining all six
+// Folding all six streams put 12 ymm carry-less multiplies per 8 elements on the floating-point
+// pipes, which the update's divisions and square root already keep busy; chaining all six
 // through crc32 made the integer side the longer one. The split above was the fastest of the
 // splits measured on a 2-core AMD EPYC (Zen 3): see docs/benchmarks/adam.md.
 #define MLP_TARGET_AVX2_CLMUL __attribute__((target("avx2,fma,f16c,vpclmulqdq,pclmul,sse4.2")))
