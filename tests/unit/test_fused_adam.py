@@ -489,8 +489,8 @@ def test_checksums_of_an_empty_range_are_those_of_empty_arrays():
                               eps=1e-8, weight_decay=0.0, step=1, input_checksums=True) == ((0, 0, 0), None)
 
 
-def test_kernel_says_whether_it_folds_its_checksums_from_registers(isa):
-    # Only the AVX2 path folds, and only where the CPU has VPCLMULQDQ; the others checksum tiles.
+def test_kernel_says_whether_it_checksums_in_its_update_pass(isa):
+    # Only the AVX2 path does, and only where the CPU has VPCLMULQDQ; the others checksum tiles.
     assert fa.kernel_checksums_in_pass() == (isa == "avx2" and _C.checksummed_update_supported("avx2"))
     assert not _C.checksummed_update_supported("scalar")
 
@@ -498,11 +498,12 @@ def test_kernel_says_whether_it_folds_its_checksums_from_registers(isa):
 @pytest.mark.skipif(not _C.checksummed_update_supported("avx2"), reason="needs AVX2 with VPCLMULQDQ")
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16, torch.float32])
-def test_folded_checksums_are_the_crc32c_of_the_arrays_for_every_length_around_the_vector_width(grad_dtype,
-                                                                                               out_dtype):
-    # The AVX2 path folds eight elements at a time and finishes the last 1-7 with the crc32
-    # instruction: every length from empty to a few vectors, and long ones split over threads,
-    # must give crc32c of the arrays before and after, and the update of the scalar path.
+def test_in_pass_checksums_are_the_crc32c_of_the_arrays_for_every_length_around_the_vector_width(grad_dtype,
+                                                                                                out_dtype):
+    # The AVX2 path checksums eight elements at a time (crc32 chains and carry-less folds) and
+    # finishes the last 1-7 with the crc32 instruction: every length from empty to a few vectors,
+    # and long ones split over threads, must give crc32c of the arrays before and after, and the
+    # update of the scalar path.
     from megatron_mlp.optim.checksum import crc32c
     previous = fa.kernel_isa()
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=7, inv_loss_scale=0.5,
