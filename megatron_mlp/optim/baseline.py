@@ -19,12 +19,12 @@ Benchmark-only: it keeps no checksums and overwrites in place, as its model does
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 
 import torch
 
 from megatron_mlp.optim.subgroups import FP32_BYTES, SubgroupPlan, align_up, ALIGN_ELEMS
+from megatron_mlp.tier.scratch import create_scratch_dir
 
 
 class ZeroStyleOffload:
@@ -46,7 +46,10 @@ class ZeroStyleOffload:
         self.adam_threads = adam_threads
         self.hyper = dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
         self.step_count = 0
-        self.dir = tempfile.mkdtemp(prefix="mlp-offload-zero3-", dir=path)
+        # A scratch dir like MLP-Offload's (locked, with owner.json): an MLP-Offload starting on the
+        # same path while this one is open sees it as live, not as one it cannot judge.
+        self.scratch = create_scratch_dir(path, "zero3", job_id="bench")
+        self.dir = self.scratch.path
         self.state_file = engine.open(os.path.join(self.dir, "state.bin"), create=True, direct=True)
         self.grad_file = engine.open(os.path.join(self.dir, "grads.bin"), create=True, direct=True)
         self.state_off, self.grad_off, s, g = [], [], 0, 0
@@ -155,12 +158,7 @@ class ZeroStyleOffload:
         self.engine.wait_all()
         for f in (self.state_file, self.grad_file):
             f.close()
-        for name in ("state.bin", "grads.bin"):
-            try:
-                os.unlink(os.path.join(self.dir, name))
-            except FileNotFoundError:
-                pass
-        os.rmdir(self.dir)
+        self.scratch.remove()
 
 
 def _grad_bytes(sg) -> int:

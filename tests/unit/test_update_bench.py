@@ -179,6 +179,26 @@ def test_zero3_baseline_computes_the_same_adamw_as_torch(disk_dir):
     assert os.listdir(disk_dir) == []
 
 
+def test_an_open_baselines_scratch_dir_is_live_to_the_stale_scratch_sweep(disk_dir):
+    """The bench keeps the baseline open while MLP-Offload starts on the same path and sweeps it
+    for stale scratch: the baseline's dir must read as live (left alone, nothing reported), and a
+    closed baseline leaves nothing behind."""
+    from megatron_mlp.engine import Engine
+    from megatron_mlp.optim.baseline import ZeroStyleOffload
+    from megatron_mlp.tier.scratch import clean_stale_scratch
+
+    eng = Engine()
+    base = ZeroStyleOffload(disk_dir, 5000, 1500, eng)
+    try:
+        scan = clean_stale_scratch(disk_dir)
+        assert scan.removed == [] and scan.reported == []
+        assert os.path.isdir(base.dir) and os.path.basename(base.dir).startswith("mlp-offload-zero3-")
+    finally:
+        base.close()
+        eng.close()
+    assert os.listdir(disk_dir) == []
+
+
 def test_kernel_floor_runs_every_subgroups_kernel_with_a_steady_steps_checksums_beside_io(monkeypatch):
     """The floor times the kernels a steady step runs: one per subgroup, on the threads a kernel
     gets while I/O is in flight, checksumming as many written-back and read subgroups as the step
