@@ -24,11 +24,14 @@ figures alike:
    could exceed in this run;
 6. the host memory each side holds: the baseline's double buffers, MLP-Offload's pool (cache plus
    working buffers, the same memory whether the buffers carry subgroups between steps or not);
-7. the device alone: after its own steps MLP-Offload runs as many more, each followed by the
-   engine alone moving the bytes of one of its steady steps on each tier -- no kernel, no
-   checksum, no pipeline (``bench/replay.py``). A pair sees the same disk, so the mean of their
-   differences is what the pipeline costs, and the replay over the lower bound is how far the
-   disk itself was from its passes' bandwidth meanwhile;
+7. steps paired, seconds apart, so both see the same disk (``_paired_steps``): after its own
+   steps MLP-Offload runs as many more, each followed by the engine alone moving the bytes of one
+   of its steady steps on each tier -- no kernel, no checksum, no pipeline (``bench/replay.py``):
+   the mean of their differences is what the pipeline costs, and the replay over the lower bound
+   is how far the disk itself was from its passes' bandwidth meanwhile. Then as many rounds of a
+   baseline step followed by an MLP-Offload step: the baseline over MLP-Offload in these rounds
+   (``speedup_paired``) is free of the drift between phases 2 and 3, which on a disk whose
+   bandwidth wanders by a fifth over minutes can move ``speedup`` by as much;
 8. the kernels alone: every subgroup's kernel back to back with a steady step's checksums, on the
    threads the step gives a kernel beside I/O (``kernel_floor``) -- where they take longer than the
    I/O bound, they are the step's floor.
@@ -245,15 +248,16 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
     params_out = torch.empty(numel, dtype=dtype)
     result = {"rank": rank, "numel": numel}
 
-    # -- the ZeRO-3-style baseline
+    # -- the ZeRO-3-style baseline. It stays open to the end: after MLP-Offload's own steps the
+    # two alternate step by step (``_paired_steps``), so both sides of one ratio see the same disk.
     barrier.wait()
     eng = Engine(backend=args.backend, block_bytes=args.io_block_bytes, queue_depth=args.io_queue_depth,
                  num_threads=args.io_queue_depth,
                  read_limit_bytes_per_s=int(tiers[0].qos_bytes_per_s or 0),
                  write_limit_bytes_per_s=int(tiers[0].qos_bytes_per_s or 0))
     base = ZeroStyleOffload(tiers[0].path, numel, args.subgroup_params, eng, adam_threads=args.adam_threads)
-    steps, backward = [], []
     try:
+        steps, backward = [], []
         for _ in range(args.steps):
             barrier.wait()
             backward.append(base.backward_write_grads(grads))
@@ -261,47 +265,56 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
             steps.append(base.step(params_out))
         result["baseline"] = {"steps_s": steps, "backward_s": backward, "last": base.last,
                               "peak_host_bytes": base.peak_host_bytes}
+
+        variants = [ABLATION[-1]] if args.no_ablation else list(ABLATION)
+        if not args.no_ablation:
+            # Not cumulative: MLP-Offload with the crc32c of every region turned off -- its cost.
+            variants.append((CHECKSUM_OFF, dict(ABLATION[-1][1], checksum=False)))
+        result["variants"] = []
+        for name, overrides in variants:
+            barrier.wait()
+            opt = OffloadAdam(_config(args, tiers, **overrides), [(0, numel)], [{"lr": 1e-3}], None,
+                              rank=rank, ranks_per_node=args.ranks)
+            steps, stats = [], []
+            try:
+                for _ in range(args.steps):
+                    barrier.wait()
+                    t0 = time.perf_counter()
+                    opt.step(grads, params_out)
+                    steps.append(time.perf_counter() - t0)
+                    stats.append(opt.last_step_stats)
+                result["variants"].append({"name": name, "steps_s": steps, "stats": stats,
+                                           "tier_of": list(opt.tier_of),
+                                           "host_limit_bytes": opt.host_budget_bytes})
+                if name == MLP_NAME:
+                    result["paired"] = _paired_steps(args, tiers, numel, opt, base, stats, grads, params_out,
+                                                     barrier)
+            finally:
+                opt.close()
+                del opt
+            if name == MLP_NAME:
+                barrier.wait()
+                result["kernel_floor"] = kernel_floor(args, numel, grads, params_out, stats)
     finally:
         base.close()
         eng.close()
         del base
-
-    variants = [ABLATION[-1]] if args.no_ablation else list(ABLATION)
-    if not args.no_ablation:
-        # Not cumulative: MLP-Offload with the crc32c of every region turned off -- its cost.
-        variants.append((CHECKSUM_OFF, dict(ABLATION[-1][1], checksum=False)))
-    result["variants"] = []
-    for name, overrides in variants:
-        barrier.wait()
-        opt = OffloadAdam(_config(args, tiers, **overrides), [(0, numel)], [{"lr": 1e-3}], None,
-                          rank=rank, ranks_per_node=args.ranks)
-        steps, stats = [], []
-        try:
-            for _ in range(args.steps):
-                barrier.wait()
-                t0 = time.perf_counter()
-                opt.step(grads, params_out)
-                steps.append(time.perf_counter() - t0)
-                stats.append(opt.last_step_stats)
-            result["variants"].append({"name": name, "steps_s": steps, "stats": stats,
-                                       "tier_of": list(opt.tier_of),
-                                       "host_limit_bytes": opt.host_budget_bytes})
-            if name == MLP_NAME:
-                result["paired"] = _paired_with_replay(args, tiers, numel, opt, stats, grads, params_out, barrier)
-        finally:
-            opt.close()
-            del opt
-        if name == MLP_NAME:
-            barrier.wait()
-            result["kernel_floor"] = kernel_floor(args, numel, grads, params_out, stats)
     if queue is not None:
         queue.put(result)
     return result
 
 
-def _paired_with_replay(args, tiers, numel, opt, stats, grads, params_out, barrier) -> dict:
-    """``args.steps`` more steps of MLP-Offload, each followed by the engine alone moving the bytes
-    of one of its steady steps (bench/replay.py): pairs a second apart see the same disk."""
+def _paired_steps(args, tiers, numel, opt, base, stats, grads, params_out, barrier) -> dict:
+    """Two phases of ``args.steps`` rounds each, whose steps run seconds apart and so see the same disk.
+
+    1. A step of MLP-Offload, then the engine alone moving the bytes of one of its steady steps
+       (bench/replay.py): what the pipeline costs.
+    2. A step of the baseline (its backward gradient write before it, untimed), then a step of
+       MLP-Offload: the speed-up free of the drift between the baseline's phase and MLP-Offload's.
+       Each side runs right after the other's I/O; whatever a disk is still settling from (a
+       hypervisor's write-back, say) falls mostly on MLP-Offload, since the baseline moves several
+       times its bytes.
+    They are separate so that the replay's pairs are not disturbed by the baseline's traffic."""
     from megatron_mlp.bench.replay import IOReplay
     from megatron_mlp.optim.subgroups import SubgroupPlan
 
@@ -309,17 +322,30 @@ def _paired_with_replay(args, tiers, numel, opt, stats, grads, params_out, barri
     moves = [(int(statistics.median(st["tiers"][t]["bytes_written"] for st in steady)),
               int(statistics.median(st["tiers"][t]["bytes_read"] for st in steady))) for t in range(len(tiers))]
     region = SubgroupPlan([(0, numel)], args.subgroup_params).max_region_bytes
+
+    def mlp_step() -> float:
+        t0 = time.perf_counter()
+        opt.step(grads, params_out)
+        return time.perf_counter() - t0
+
     mlp_steps, replay_steps = [], []
     with IOReplay(list(tiers), moves, region, backend=args.backend, block_bytes=args.io_block_bytes,
                   queue_depth=args.io_queue_depth) as replay:
         for _ in range(args.steps):
             barrier.wait()
-            t0 = time.perf_counter()
-            opt.step(grads, params_out)
-            mlp_steps.append(time.perf_counter() - t0)
+            mlp_steps.append(mlp_step())
             barrier.wait()
             replay_steps.append(replay.step())
-    return {"mlp_steps_s": mlp_steps, "replay_steps_s": replay_steps, "moves": moves}
+    base_steps, mlp_beside_base = [], []
+    for _ in range(args.steps):
+        barrier.wait()
+        base.backward_write_grads(grads)
+        barrier.wait()
+        base_steps.append(base.step(params_out))
+        barrier.wait()
+        mlp_beside_base.append(mlp_step())
+    return {"mlp_steps_s": mlp_steps, "replay_steps_s": replay_steps, "moves": moves,
+            "baseline_steps_s": base_steps, "mlp_beside_baseline_steps_s": mlp_beside_base}
 
 
 def kernel_floor(args, numel, grads, params_out, stats, passes: int = 3) -> dict:
@@ -453,6 +479,10 @@ def summarize(args, tiers, bandwidth, results) -> dict:
     diffs = [a - b for a, b in zip(paired_mlp[kept], replay_steps[kept])]
     replay_s = _steady(replay_steps)[0] if moved else None
     paired_mlp_s = _steady(paired_mlp)[0]
+    paired_base = _per_step_max(results, lambda r: r["paired"]["baseline_steps_s"])
+    paired_base_s = _steady(paired_base)[0]
+    mlp_beside_base = _per_step_max(results, lambda r: r["paired"]["mlp_beside_baseline_steps_s"])
+    mlp_beside_base_s = _steady(mlp_beside_base)[0]
     kernel_floor_s = max(r["kernel_floor"]["seconds"] for r in results)
     step_floor_s = max(lower_bound_s, kernel_floor_s)
     base_last = results[0]["baseline"]["last"]
@@ -478,6 +508,9 @@ def summarize(args, tiers, bandwidth, results) -> dict:
         "mlp_s": mlp_s, "mlp_min_s": mlp["min_s"], "mlp_max_s": mlp["max_s"],
         "mlp_steps_s": _per_step_max(results, lambda r: r["variants"][mlp_index]["steps_s"]),
         "speedup": baseline_s / mlp_s if mlp_s > 0 else None,
+        "baseline_paired_s": paired_base_s, "baseline_paired_steps_s": paired_base,
+        "mlp_beside_baseline_s": mlp_beside_base_s, "mlp_beside_baseline_steps_s": mlp_beside_base,
+        "speedup_paired": paired_base_s / mlp_beside_base_s if mlp_beside_base_s > 0 else None,
         "speedup_with_backward_write": (baseline_s + backward_s) / mlp_s if mlp_s > 0 else None,
         "lower_bound_s": lower_bound_s,
         "mlp_vs_lower_bound": mlp_s / lower_bound_s if lower_bound_s > 0 else None,
@@ -536,7 +569,10 @@ def _text(summary) -> str:
         lines.append(f"  (MLP-Offload without checksums: {summary['mlp_no_checksum_s']:.2f} s; crc32c threads "
                      f"busy {summary['mlp_checksum_thread_s']:.2f} s per step, overlapped with I/O)")
     lines.append(f"MLP-Offload: {summary['mlp_s']:.2f} s -> {summary['speedup']:.2f}x the baseline; "
-                 f"I/O lower bound {summary['lower_bound_s']:.2f} s (x{summary['mlp_vs_lower_bound']:.2f}); "
+                 f"alternating step by step with it: {summary['baseline_paired_s']:.2f} s against "
+                 f"{summary['mlp_beside_baseline_s']:.2f} s -> {summary['speedup_paired']:.2f}x")
+    lines.append(f"MLP-Offload's I/O lower bound {summary['lower_bound_s']:.2f} s (its own steps "
+                 f"x{summary['mlp_vs_lower_bound']:.2f}); "
                  f"placement model predicted {summary['predicted_s']:.2f} s")
     lines.append(f"the step's kernels alone on {summary['kernel_floor_threads'] or 'every'} thread(s), no I/O: "
                  f"{summary['kernel_floor_s']:.2f} s; the step's floor, the larger of that and the I/O bound: "

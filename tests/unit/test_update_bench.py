@@ -60,8 +60,13 @@ def test_bench_update_reports_baseline_mlp_ablation_and_bounds_when_run_tiny(cap
     assert s["mlp_warm_bytes"] > 0 and s["baseline_host_bytes"] > 0
     assert s["mlp_host_bytes"] == s["mlp_host_limit_bytes"] * ranks
     assert s["config"]["ranks"] == ranks
-    # As many more MLP-Offload steps, each paired with the engine alone moving the same bytes.
+    # As many more MLP-Offload steps, each paired with the engine alone moving the same bytes; then
+    # as many rounds of a baseline step and an MLP-Offload step.
     assert len(s["replay_steps_s"]) == len(s["mlp_paired_steps_s"]) == 3 and s["replay_s"] > 0
+    assert len(s["baseline_paired_steps_s"]) == len(s["mlp_beside_baseline_steps_s"]) == 3
+    assert s["baseline_paired_s"] == s["baseline_paired_steps_s"][2], "the median after the two warm-up rounds"
+    assert s["mlp_beside_baseline_s"] == s["mlp_beside_baseline_steps_s"][2]
+    assert s["speedup_paired"] == pytest.approx(s["baseline_paired_s"] / s["mlp_beside_baseline_s"])
     assert s["mlp_vs_replay"] == pytest.approx(s["mlp_paired_s"] / s["replay_s"])
     assert s["replay_vs_lower_bound"] == pytest.approx(s["replay_s"] / s["lower_bound_s"])
     # After the two warm-up pairs, as every median: one pair here, so no standard error.
@@ -103,9 +108,9 @@ def test_adam_threads_of_a_bench_update_run_reach_both_sides(capsys, disk_dir, k
                  "--calib-bytes", "4MB", "--steps", "2", "--no-ablation", "--no-interference", "--adam-threads", "1")
     assert s["config"]["adam_threads"] == 1
     subgroups = 300000 // 50000
-    assert len(threads) == 3 * 2 * subgroups + 3 * subgroups, \
-        "two steps of the baseline, two of MLP-Offload, two more paired with the replay, and three " \
-        "passes of the kernels alone (the step's CPU floor)"
+    assert len(threads) == 5 * 2 * subgroups + 3 * subgroups, \
+        "two steps of the baseline, two of MLP-Offload, two more paired with the replay, two rounds of " \
+        "both paired, and three passes of the kernels alone (the step's CPU floor)"
     assert set(threads) == {1}
 
 
