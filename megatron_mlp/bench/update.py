@@ -259,10 +259,9 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
     try:
         steps, backward = [], []
         for _ in range(args.steps):
-            barrier.wait()
-            backward.append(base.backward_write_grads(grads))
-            barrier.wait()
-            steps.append(base.step(params_out))
+            backward_s, step_s = _baseline_step(base, grads, params_out, barrier)
+            backward.append(backward_s)
+            steps.append(step_s)
         result["baseline"] = {"steps_s": steps, "backward_s": backward, "last": base.last,
                               "peak_host_bytes": base.peak_host_bytes}
 
@@ -279,9 +278,7 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
             try:
                 for _ in range(args.steps):
                     barrier.wait()
-                    t0 = time.perf_counter()
-                    opt.step(grads, params_out)
-                    steps.append(time.perf_counter() - t0)
+                    steps.append(_timed(lambda: opt.step(grads, params_out)))
                     stats.append(opt.last_step_stats)
                 result["variants"].append({"name": name, "steps_s": steps, "stats": stats,
                                            "tier_of": list(opt.tier_of),
@@ -304,6 +301,15 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
     return result
 
 
+def _baseline_step(base, grads, params_out, barrier) -> tuple[float, float]:
+    """One step of the baseline as training runs it: its backward gradient write, then its update.
+    Returns both times (seconds)."""
+    barrier.wait()
+    backward_s = base.backward_write_grads(grads)
+    barrier.wait()
+    return backward_s, base.step(params_out)
+
+
 def _paired_steps(args, tiers, numel, opt, base, stats, grads, params_out, barrier) -> dict:
     """Two phases of ``args.steps`` rounds each, whose steps run seconds apart and so see the same disk.
 
@@ -324,9 +330,7 @@ def _paired_steps(args, tiers, numel, opt, base, stats, grads, params_out, barri
     region = SubgroupPlan([(0, numel)], args.subgroup_params).max_region_bytes
 
     def mlp_step() -> float:
-        t0 = time.perf_counter()
-        opt.step(grads, params_out)
-        return time.perf_counter() - t0
+        return _timed(lambda: opt.step(grads, params_out))
 
     mlp_steps, replay_steps = [], []
     with IOReplay(list(tiers), moves, region, backend=args.backend, block_bytes=args.io_block_bytes,
@@ -338,10 +342,7 @@ def _paired_steps(args, tiers, numel, opt, base, stats, grads, params_out, barri
             replay_steps.append(replay.step())
     base_steps, mlp_beside_base = [], []
     for _ in range(args.steps):
-        barrier.wait()
-        base.backward_write_grads(grads)
-        barrier.wait()
-        base_steps.append(base.step(params_out))
+        base_steps.append(_baseline_step(base, grads, params_out, barrier)[1])
         barrier.wait()
         mlp_beside_base.append(mlp_step())
     return {"mlp_steps_s": mlp_steps, "replay_steps_s": replay_steps, "moves": moves,
