@@ -7,6 +7,7 @@ sizes are small. Deterministic: the same seed gives the same weights and batches
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -31,22 +32,43 @@ class TinyGPT:
         return v * h + self.seq_length * h + layers * (12 * h * h + 13 * h) + 2 * h
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one training step reports: the DP-averaged loss and Megatron's step result."""
+
+    loss: float
+    ok: bool            # False when the step was skipped (fp16 overflow)
+    grad_norm: Optional[float]
+
+
+def on_gpu() -> bool:
+    """A real GPU run: CUDA is there and the CPU harness is not installed."""
+    from megatron_mlp.testing.harness import cpu_harness_installed
+    return torch.cuda.is_available() and not cpu_harness_installed()
+
+
 def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
-    """Initialise Megatron's parallel state on an initialised torch.distributed (gloo)."""
+    """Initialise Megatron's parallel state on an initialised torch.distributed (gloo or NCCL)."""
     from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              pipeline_model_parallel_size=pp)
-    # Not model_parallel_cuda_manual_seed: it snapshots CUDA generator states. Weights are
-    # initialised on the CPU (use_cpu_initialization) and dropout is off, so one CPU seed suffices.
+    # Weights are initialised on the CPU (use_cpu_initialization) and dropout is off, so one CPU
+    # seed makes runs repeatable. On a GPU, Megatron's attention forks the CUDA RNG tracker's
+    # 'model-parallel-rng' state, which only model_parallel_cuda_manual_seed adds (under the CPU
+    # harness the fork is a no-op and CUDA generators do not exist).
     torch.manual_seed(seed)
+    if on_gpu():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(seed)
 
 
 def build_model(spec: TinyGPT, *, grad_reduce_in_fp32: bool = False, bucket_size: int | None = None,
-                overlap_grad_reduce: bool = False):
+                overlap_grad_reduce: bool = False, overlap_param_gather: bool = False):
     """GPTModel (local spec) in bf16/fp16 via Float16Module, wrapped in Megatron's DDP.
 
     Under pipeline parallelism this rank builds its own stage: the embedding on the first, the
-    output layer and loss on the last, ``num_layers / PP`` transformer layers on each.
+    output layer and loss on the last, ``num_layers / PP`` transformer layers on each. On a GPU
+    the model moves to the current device before DDP wraps it, as Megatron-LM's get_model does.
     Returns a one-element list of model chunks, as get_megatron_optimizer expects.
     """
     from megatron.core import parallel_state
@@ -72,10 +94,12 @@ def build_model(spec: TinyGPT, *, grad_reduce_in_fp32: bool = False, bucket_size
                      vocab_size=spec.vocab_size, max_sequence_length=spec.seq_length,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage())
+    if on_gpu():
+        model.cuda(torch.cuda.current_device())
     if spec.bf16 or spec.fp16:
         model = Float16Module(tconf, model)
     ddp_kwargs = dict(grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
-                      use_distributed_optimizer=True)
+                      overlap_param_gather=overlap_param_gather, use_distributed_optimizer=True)
     if bucket_size is not None:
         ddp_kwargs["bucket_size"] = bucket_size
     ddp = DistributedDataParallel(tconf, DistributedDataParallelConfig(**ddp_kwargs), model)
@@ -108,11 +132,18 @@ def batch(spec: TinyGPT, iteration: int, dp_rank: int):
 
 def train_step(spec: TinyGPT, model, optimizer, iteration: int, scheduler=None) -> float:
     """One forward/backward/step on this rank's batch; returns the DP-averaged loss."""
+    return train_step_outcome(spec, model, optimizer, iteration, scheduler).loss
+
+
+def train_step_outcome(spec: TinyGPT, model, optimizer, iteration: int, scheduler=None, *,
+                       after_backward: Optional[Callable] = None) -> StepOutcome:
+    """``train_step``, reporting Megatron's step result too. ``after_backward(model)`` runs once
+    the gradients are reduced and before the optimizer sees them (tests inject overflows there)."""
     from megatron.core import parallel_state
 
     dp_rank = parallel_state.get_data_parallel_rank()
     tokens, labels, loss_mask, position_ids = batch(spec, iteration, dp_rank)
-    if torch.cuda.is_available():  # a real GPU run (the harness maps .cuda() to a no-op anyway)
+    if on_gpu():
         tokens, labels, loss_mask, position_ids = (t.cuda() for t in (tokens, labels, loss_mask, position_ids))
     for chunk in model:
         chunk.zero_grad_buffer()
@@ -123,12 +154,15 @@ def train_step(spec: TinyGPT, model, optimizer, iteration: int, scheduler=None) 
     (loss * scale if scale is not None else loss).backward()
     for chunk in model:
         chunk.finish_grad_sync()
-    optimizer.step()
+    if after_backward is not None:
+        after_backward(model)
+    ok, grad_norm, _ = optimizer.step()
     if scheduler is not None:
         scheduler.step(increment=1)
     reported = loss.detach().clone()
     torch.distributed.all_reduce(reported, group=parallel_state.get_data_parallel_group())
-    return float(reported) / parallel_state.get_data_parallel_world_size()
+    return StepOutcome(loss=float(reported) / parallel_state.get_data_parallel_world_size(), ok=bool(ok),
+                       grad_norm=None if grad_norm is None else float(grad_norm))
 
 
 def pipeline_train_step(spec: TinyGPT, model, optimizer, iteration: int) -> float | None:
