@@ -26,6 +26,7 @@ __all__ = [
     "set_sqrt_mode",
     "num_kernel_threads",
     "threads_beside_io",
+    "kernel_threads_for_rank",
 ]
 
 _GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -123,7 +124,29 @@ def num_kernel_threads() -> int:
     return _kernel().num_threads
 
 
-def threads_beside_io(io_in_flight: bool, requested: int = 0) -> int:
+def kernel_threads_for_rank(ranks_per_node: int = 1) -> int:
+    """This rank's share of the kernel pool for its updates (what ``--mlp-offload-adam-threads 0``
+    means): 0 for the whole pool, else a thread count smaller than the pool.
+
+    Each rank of a node runs its own update at the same time. A launcher that binds each rank to
+    its own cores (Slurm's --cpu-bind, numactl) leaves an affinity smaller than the machine, and the
+    pool, built from the affinity, is the rank's own. torchrun binds nothing, so every rank sees
+    every core, and a pool per rank over all of them would run ranks_per_node times as many threads
+    as there are cores: the affinity is then divided among the node's ranks.
+    """
+    if ranks_per_node < 1:
+        raise ValueError(f"kernel_threads_for_rank: ranks_per_node must be >= 1, got {ranks_per_node}")
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = os.cpu_count() or 1
+    if ranks_per_node == 1 or affinity < (os.cpu_count() or affinity):
+        return 0
+    share = max(1, affinity // ranks_per_node)
+    return share if share < num_kernel_threads() else 0
+
+
+def threads_beside_io(io_in_flight: bool, requested: int = 0, *, share: int = 0) -> int:
     """``num_threads`` for one kernel call of an update that streams its state through storage.
 
     ``requested`` (``--mlp-offload-adam-threads``) when it is set. Otherwise the whole pool (0)
@@ -132,13 +155,17 @@ def threads_beside_io(io_in_flight: bool, requested: int = 0) -> int:
     makes -- and a kernel holding every core delays it, which slows the storage the step is
     waiting for. On the 2-core test machine the step of the done-criterion workload took 3.5 %
     less time with one kernel thread beside the I/O than with two (38 paired steps, faster in 33).
+    ``share``: the rank's share of the pool (``kernel_threads_for_rank``); 0 is the whole pool.
     """
     if requested < 0:
         raise ValueError(f"threads_beside_io: requested must be >= 0, got {requested}")
     if requested:
         return requested
-    pool = num_kernel_threads()
-    return pool - 1 if io_in_flight and pool > 1 else 0
+    whole = num_kernel_threads()
+    pool = min(share, whole) if share > 0 else whole
+    if io_in_flight and pool > 1:
+        return pool - 1
+    return 0 if pool == whole else pool
 
 
 def _check_tensor(name: str, t, allowed: dict, numel: int | None) -> None:

@@ -109,6 +109,56 @@ def test_the_config_refuses_a_negative_thread_count_naming_the_flag():
         MLPOffloadConfig.from_paths("/a", adam_threads=-1)
 
 
+# -- a rank's share of the node --------------------------------------------------------------------
+
+def _machine(monkeypatch, cores: int, affinity: int, pool: int | None = None):
+    monkeypatch.setattr(fused_adam.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(fused_adam.os, "sched_getaffinity", lambda pid: set(range(affinity)))
+    monkeypatch.setattr(fused_adam, "num_kernel_threads", lambda: affinity if pool is None else pool)
+
+
+def test_unbound_ranks_of_a_node_divide_its_cores_among_them(monkeypatch):
+    # torchrun --nproc_per_node 8 on 64 cores: each rank sees all 64; 8 pools of 64 would oversubscribe.
+    _machine(monkeypatch, cores=64, affinity=64)
+    assert fused_adam.kernel_threads_for_rank(8) == 8
+
+
+def test_a_rank_bound_to_its_own_cores_keeps_its_whole_pool(monkeypatch):
+    # srun --cpu-bind: the affinity already is this rank's share.
+    _machine(monkeypatch, cores=64, affinity=8)
+    assert fused_adam.kernel_threads_for_rank(8) == 0
+
+
+def test_a_single_rank_per_node_keeps_the_whole_pool(monkeypatch):
+    _machine(monkeypatch, cores=16, affinity=16)
+    assert fused_adam.kernel_threads_for_rank(1) == 0
+
+
+def test_more_ranks_than_cores_still_leave_each_one_thread(monkeypatch):
+    _machine(monkeypatch, cores=4, affinity=4)
+    assert fused_adam.kernel_threads_for_rank(8) == 1
+
+
+def test_the_share_shrinks_the_pool_and_still_leaves_a_core_to_io(monkeypatch):
+    _machine(monkeypatch, cores=64, affinity=64)
+    assert fused_adam.threads_beside_io(False, share=8) == 8
+    assert fused_adam.threads_beside_io(True, share=8) == 7
+
+
+def test_the_optimizer_runs_its_kernels_on_its_share_of_the_node(disk_dir, monkeypatch, kernel_threads_used):
+    _machine(monkeypatch, cores=64, affinity=64)
+    config = MLPOffloadConfig.from_paths(disk_dir, subgroup_params=SUB, host_cache_bytes=1 << 30, use_tokens=False)
+    opt = OffloadAdam(config, [(0, NUMEL)], [{"lr": 1e-2}], torch.zeros(NUMEL), ranks_per_node=8)
+    try:
+        opt.step(grads(1))
+        kernel_threads_used.clear()
+        opt.step(grads(2))   # everything cached: no I/O beside the kernels
+    finally:
+        opt.close()
+    assert opt.kernel_threads == 8
+    assert kernel_threads_used == [8] * len(opt.plan)
+
+
 # -- the optimizer -------------------------------------------------------------------------------
 
 def test_kernels_running_beside_a_fetch_or_write_back_leave_a_core_to_the_io(disk_dir, kernel_calls):
