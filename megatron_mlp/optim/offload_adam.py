@@ -151,6 +151,14 @@ class OffloadAdam:
         piece_params = piece_params_for(config.subgroup_params, config.block_bytes)
         self._pieces = {sg.index: sg.pieces(piece_params) for sg in self.plan}
         self._upcast_buffer = None
+        self._grads_ready = None
+        # The kernel's share of this node's cores (ranks of a node would oversubscribe them).
+        from megatron_mlp.optim.fused_adam import kernel_threads_for_rank, num_kernel_threads
+        self._kernel_share = kernel_threads_for_rank(ranks_per_node)   # 0: the whole pool
+        self.kernel_threads = config.adam_threads or self._kernel_share or num_kernel_threads()
+        logger.info("MLP-Offload rank %d: fused Adam on %d threads (%s)", rank, self.kernel_threads,
+                    "--mlp-offload-adam-threads" if config.adam_threads else
+                    f"this process's CPU affinity shared by {ranks_per_node} rank(s) of the node")
         self._write_initial(initial_params)
 
     # ------------------------------------------------------------------ public API
@@ -171,9 +179,15 @@ class OffloadAdam:
         sumsq, nonfinite = grad_stats(grads)
         return float(sumsq), bool(nonfinite)
 
+    def next_order(self) -> list[int]:
+        """The subgroup indices in the order the next ``step`` updates them (a caller copying the
+        gradient in per subgroup issues its copies in this order; see ``grads_ready``)."""
+        return iteration_order(len(self.plan), self._iteration, order=self.config.order,
+                               cache_order=self.config.cache_order)
+
     def step(self, grads: torch.Tensor, params_out: torch.Tensor | None = None, *,
              inv_loss_scale: float = 1.0, clip_coef: float = 1.0, on_subgroup_done=None,
-             found_inf: bool = False) -> None:
+             found_inf: bool = False, grads_ready=None) -> None:
         """One AdamW step over the whole shard.
 
         Args:
@@ -182,6 +196,9 @@ class OffloadAdam:
             inv_loss_scale, clip_coef: applied inside the kernel, in that order (g * inv * clip).
             on_subgroup_done: ``callback(start, end)``: ``params_out[start:end]`` is final.
             found_inf: the (all-reduced) gradient had inf/nan: skip, change nothing (fp16 loss scaling).
+            grads_ready: ``callback(start, end)`` that returns once ``grads[start:end]`` holds the
+                gradient, called before the kernel reads a subgroup's slice; the fetches start
+                before it, so a gradient still being copied in overlaps the tiers' reads.
         Raises:
             TierIOError: a fetch failed (after one retry, or timed out): the step stopped where it
                 happened and is partly applied -- restore from the last checkpoint.
@@ -212,8 +229,7 @@ class OffloadAdam:
             return
         for g in self.state:
             self.state[g]["step"] += 1
-        order = iteration_order(len(self.plan), self._iteration, order=self.config.order,
-                                cache_order=self.config.cache_order)
+        order = self.next_order()
         stats.order = "ascending" if len(order) < 2 or order[0] < order[-1] else "descending"
         self._iteration += 1
         unpinned = [i for i in order if i not in self._pinned]
@@ -224,8 +240,12 @@ class OffloadAdam:
         held_by_working, self._held_by_working = (
             self._held_by_working, keep - kept_in_cache(unpinned, max(0, self.cache_slots - len(self._pinned))))
         hyper = [self._hyper(g) for g in range(len(self.param_groups))]
-        errors = self._run_pipeline(order, keep, held_by_working, grads, params_out, hyper, inv_loss_scale,
-                                    clip_coef, on_subgroup_done, stats)
+        self._grads_ready = grads_ready
+        try:
+            errors = self._run_pipeline(order, keep, held_by_working, grads, params_out, hyper, inv_loss_scale,
+                                        clip_coef, on_subgroup_done, stats)
+        finally:
+            self._grads_ready = None
         stats.step_s = time.perf_counter() - t_step
         stats.peak_host_bytes = self.pool.peak_bytes
         self.last_step_stats = stats.as_dict()
@@ -386,7 +406,7 @@ class OffloadAdam:
 
         def kernel_threads() -> int:
             # While a tier moves data the kernel leaves a core to the I/O path (threads_beside_io).
-            return threads_beside_io(io_busy(), self.config.adam_threads)
+            return threads_beside_io(io_busy(), self.config.adam_threads, share=self._kernel_share)
 
         def start_fetch(idx, buf):
             fut, landed = self._store_of[self.tier_of[idx]].fetch_streamed(plan[idx], buf, self._pieces[idx])
@@ -650,6 +670,9 @@ class OffloadAdam:
         from megatron_mlp.optim.fused_adam import fused_adam_step
         t_start = time.perf_counter()
         waited = 0.0
+        if self._grads_ready is not None:   # the gradient slice may still be on its way in
+            self._grads_ready(sg.start, sg.end)
+            waited = time.perf_counter() - t_start
         views = _views(sg, buf)
         grad = grads[sg.start:sg.end]
         if not self.config.deferred_upcast and grad.dtype != torch.float32:
