@@ -14,6 +14,7 @@ from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier.spec import TierSpec, parse_tier_paths
 
 ORDER_POLICIES = ("alternate", "ascending")
+GRAD_TRANSFERS = ("auto", "bf16")
 BACKENDS = ("auto", "io_uring", "threads")
 CALIBRATION_MODES = ("auto", "off")  # or a path to a calibration JSON file
 # The I/O geometry of the tiers' engines, also used by the calibration and the benches' bandwidth
@@ -81,6 +82,12 @@ class MLPOffloadConfig:
     too: they keep the subgroups updated last, unwritten, and the next step, which runs the other
     way, updates them first without reading them and writes one back only when a fetch needs its
     buffer: fewer bytes read and written, no extra host memory."""
+    grad_transfer: str = "auto"
+    """--mlp-offload-grad-transfer: 'auto' copies the reduced gradient shard to the host in the
+    grad buffer's dtype (bitwise what stock Megatron updates with); 'bf16' rounds an fp32 shard to
+    bf16 on the GPU right before the copy (one rounding after fp32 accumulation and reduction):
+    half the bytes leave the GPU and sit in host memory. Megatron-LM's --bf16 reduces in fp32
+    unless --grad-reduce-in-bf16 is given."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """Free-form annotations (job id, ...); never read by the components."""
 
@@ -107,6 +114,9 @@ class MLPOffloadConfig:
                 f"--mlp-offload-io-block-size: {self.block_bytes} must be a positive multiple of 4096 bytes")
         if self.order not in ORDER_POLICIES:
             raise ConfigError(f"--mlp-offload-order: {self.order!r} is not one of {', '.join(ORDER_POLICIES)}")
+        if self.grad_transfer not in GRAD_TRANSFERS:
+            raise ConfigError(f"--mlp-offload-grad-transfer: {self.grad_transfer!r} is not one of "
+                              f"{', '.join(GRAD_TRANSFERS)}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"--mlp-offload-io-backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
 

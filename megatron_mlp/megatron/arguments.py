@@ -20,7 +20,7 @@ import os
 import re
 import sys
 
-from megatron_mlp.config import BACKENDS, ORDER_POLICIES, MLPOffloadConfig
+from megatron_mlp.config import BACKENDS, GRAD_TRANSFERS, ORDER_POLICIES, MLPOffloadConfig
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier.spec import parse_size, parse_tier_paths
 
@@ -117,6 +117,12 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="Ablation: write back every subgroup outside the host cache in the step that "
                         "updates it (by default the working buffers keep the ones updated last, unwritten, "
                         "for the next step, which updates them first).")
+    g.add_argument("--mlp-offload-grad-transfer", choices=GRAD_TRANSFERS, default=_DEFAULTS["grad_transfer"],
+                   help="How the reduced gradient shard leaves the GPU. 'auto': in the grad buffer's dtype, "
+                        "bitwise what stock Megatron updates with (fp32, 4 bytes/param, under --bf16 unless "
+                        "--grad-reduce-in-bf16). 'bf16': an fp32 shard is rounded to bf16 on the GPU right "
+                        "before the copy (one rounding after fp32 accumulation and reduction; half the "
+                        "device-to-host bytes and host memory).")
     g.add_argument("--mlp-offload-cpu", action="store_true", default=False,
                    help=f"Smoke runs without a GPU: map CUDA onto the CPU (gloo) before Megatron is "
                         f"imported. Same as {ENV_CPU}=1. Use with --transformer-impl local --mock-data "
@@ -216,6 +222,7 @@ def config_from_args(args) -> MLPOffloadConfig | None:
         cache_order=args.mlp_offload_cache_order,
         deferred_upcast=args.mlp_offload_deferred_upcast,
         warm_buffers=args.mlp_offload_warm_buffers,
+        grad_transfer=getattr(args, "mlp_offload_grad_transfer", "auto"),
         extra={"job_id": _job_id(args.mlp_offload_job_id)},
     )
 

@@ -79,10 +79,21 @@ class _OffloadInner:
     "params"), ``state`` (must be non-empty so a checkpoint load does not allocate full-size dummy
     tensors on the device; values carry "step"), ``state_dict``/``load_state_dict``, ``step``,
     ``zero_grad``. The state itself lives in the offload optimizer (the tier).
+
+    On a GPU the step overlaps three things: the gradient copies device->host (one per subgroup,
+    issued in the order the update takes the subgroups, each with its CUDA event), the tiers'
+    fetches (which start at once), and the kernels, each of which waits only for its own
+    subgroup's gradient. Updated params go back host->device per subgroup as soon as its kernel
+    is done. Copies run on two side streams; CUDA events time them (``transfer_timings``).
     """
 
+    # The largest piece rounded to bf16 on the GPU at a time (grad_transfer='bf16'): the rounding
+    # buffer on the device stays at 32 MiB however large the shard.
+    ROUND_PIECE_ELEMENTS = 16 << 20
+
     def __init__(self, param_groups: list[dict], segments: list[_Segment], numel: int,
-                 grad_dtype: torch.dtype, param_dtype: torch.dtype, offload, timers_fn=None):
+                 grad_dtype: torch.dtype, param_dtype: torch.dtype, offload, timers_fn=None,
+                 grad_transfer: str = "auto"):
         self.param_groups = param_groups
         self.defaults = {}
         self._segments = segments
@@ -96,14 +107,29 @@ class _OffloadInner:
         self._step_tensor = torch.zeros((), dtype=torch.float32)
         # Small and non-empty (see class doc); one entry keyed by the first shard param.
         self.state = {first: {"step": self._step_tensor}} if first is not None else {}
-        cuda = torch.cuda.is_available() and any(s.grad_view.is_cuda for s in segments)
-        pin = cuda  # pinned host memory needs a CUDA context; under the CPU harness it is plain
-        self._grads_host = torch.empty(numel, dtype=grad_dtype, pin_memory=pin)
+        self.grad_dtype = grad_dtype
+        # What leaves the device: the grad buffer's dtype, or bf16 rounded from fp32 on request.
+        self.transfer_dtype = torch.bfloat16 if grad_transfer == "bf16" and grad_dtype == torch.float32 \
+            else grad_dtype
+        self._cuda = torch.cuda.is_available() and any(s.grad_view.is_cuda for s in segments)
+        pin = self._cuda  # pinned host memory needs a CUDA context; under the CPU harness it is plain
+        self._grads_host = torch.empty(numel, dtype=self.transfer_dtype, pin_memory=pin)
         self._params_host = torch.empty(numel, dtype=param_dtype, pin_memory=pin)
-        self._d2h_stream = torch.cuda.Stream() if cuda else None
-        self._h2d_stream = torch.cuda.Stream() if cuda else None
+        self._d2h_stream = torch.cuda.Stream() if self._cuda else None
+        self._h2d_stream = torch.cuda.Stream() if self._cuda else None
+        self._round_buffer = None       # device bf16 buffer for grad_transfer='bf16'
+        self._grad_events: list = []    # (start, end, event) per gradient chunk of this step
+        self._timing: dict = {}         # this step's CUDA events, read by transfer_timings()
+        self._accepts_grads_ready = "grads_ready" in _parameters(getattr(offload, "step", None))
         self.last_stats: dict = {}
         self.tier_failure = None   # a TierFailure after a completed step, for the outer optimizer
+        _log_grad_transfer(grad_dtype, self.transfer_dtype, numel, grad_transfer)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes of the gradient and param staging buffers (pinned on a GPU)."""
+        return self._grads_host.numel() * self._grads_host.element_size() + \
+            self._params_host.numel() * self._params_host.element_size()
 
     # -- Megatron's inner-optimizer protocol -------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -112,17 +138,27 @@ class _OffloadInner:
     @torch.no_grad()
     def step(self, closure=None):
         t0 = time.perf_counter()
-        self._copy_grads_to_host()
+        self._timing = {"h2d": []}
+        self._start_grad_copies(self._grad_chunks())
         t1 = time.perf_counter()
+        waited = [0.0]
         pending = []
+
+        def grads_ready(start: int, end: int) -> None:
+            w0 = time.perf_counter()
+            self._wait_for_grads(start, end)
+            waited[0] += time.perf_counter() - w0
 
         def on_subgroup_done(start: int, end: int) -> None:
             # Start the H2D copy of the finished slice while Adam works on the next subgroup.
             pending.extend(self._copy_params_to_device(start, end))
 
+        if not self._accepts_grads_ready:
+            grads_ready(0, self._numel)   # an offload optimizer that cannot wait per subgroup
+        kwargs = {"grads_ready": grads_ready} if self._accepts_grads_ready else {}
         try:
             self.offload.step(self._grads_host, self._params_host, inv_loss_scale=self.inv_loss_scale,
-                              clip_coef=self.clip_coef, on_subgroup_done=on_subgroup_done)
+                              clip_coef=self.clip_coef, on_subgroup_done=on_subgroup_done, **kwargs)
         except TierFailure as e:
             if not (e.step_completed and e.state_complete):
                 raise
@@ -130,6 +166,12 @@ class _OffloadInner:
             # finish the iteration (param all-gather) consistently on every rank; the outer
             # optimizer then asks for an emergency checkpoint (see _on_tier_failure).
             self.tier_failure = e
+        finally:
+            self._wait_for_grads(0, self._numel)   # no copy into the staging buffer outlives the step
+        if self._cuda:
+            # The kernels are done: an event on the idle D2H stream marks the moment, so that the
+            # H2D copies' tail after it can be read off the GPU's clock.
+            self._timing["kernels_done"] = self._record_event(self._d2h_stream)
         if not pending and self._numel:
             # An offload optimizer that does not call back: copy everything at the end.
             self._copy_params_to_device(0, self._numel)
@@ -138,10 +180,31 @@ class _OffloadInner:
         t2 = time.perf_counter()
         self.num_steps += 1
         self._step_tensor.fill_(float(self.num_steps))
-        self.last_stats = {"d2h_s": t1 - t0, "update_s": t2 - t1,
+        self.last_stats = {"d2h_s": t1 - t0 + waited[0], "update_s": t2 - t1 - waited[0],
                            "bytes_d2h": self._grads_host.numel() * self._grads_host.element_size(),
                            "bytes_h2d": self._params_host.numel() * self._params_host.element_size()}
         return None
+
+    def transfer_timings(self) -> dict:
+        """The last step's copies, timed by CUDA events (waits for them): seconds the D2H copies
+        took from the first to the last, seconds the H2D copies were busy, and the H2D tail (from
+        the last kernel's end to the last param copy's end). Empty without a GPU."""
+        t = self._timing
+        if not self._cuda or "d2h_start" not in t:
+            return {}
+        t["d2h_end"].synchronize()
+        out = {"d2h_s": t["d2h_start"].elapsed_time(t["d2h_end"]) / 1e3,
+               "d2h_bytes": self._grads_host.numel() * self._grads_host.element_size(),
+               "d2h_dtype": str(self.transfer_dtype).replace("torch.", "")}
+        copies = t.get("h2d", [])
+        if copies:
+            copies[-1][1].synchronize()
+            out["h2d_busy_s"] = sum(a.elapsed_time(b) for a, b, _ in copies) / 1e3
+            out["h2d_bytes"] = sum(n for _, _, n in copies)
+            if "kernels_done" in t:
+                t["kernels_done"].synchronize()
+                out["h2d_tail_s"] = max(0.0, t["kernels_done"].elapsed_time(copies[-1][1]) / 1e3)
+        return out
 
     def state_dict(self) -> dict:
         """torch.optim-shaped dict: hyper-parameters per group, params as indices, one step."""
@@ -178,34 +241,110 @@ class _OffloadInner:
         _set_offload_step(self.offload, int(step))
 
     # -- copies --------------------------------------------------------------------------------
-    def _copy_grads_to_host(self) -> None:
-        if self._d2h_stream is not None:
-            self._d2h_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._d2h_stream):
-                for s in self._segments:
-                    self._grads_host[s.flat_start:s.flat_end].copy_(s.grad_view, non_blocking=True)
-            self._d2h_stream.synchronize()
-        else:
-            for s in self._segments:
-                self._grads_host[s.flat_start:s.flat_end].copy_(s.grad_view)
+    def _grad_chunks(self) -> list[tuple[int, int]]:
+        """Flat ranges of the gradient in the order the next update reads them: one per subgroup
+        when the offload optimizer says its order, else the whole shard."""
+        plan, next_order = getattr(self.offload, "plan", None), getattr(self.offload, "next_order", None)
+        if plan is None or next_order is None or not self._accepts_grads_ready:
+            return [(0, self._numel)] if self._numel else []
+        return [(plan[i].start, plan[i].end) for i in next_order()]
+
+    def _start_grad_copies(self, chunks: list[tuple[int, int]]) -> None:
+        """Copy the reduced gradient shard into the host staging buffer, chunk by chunk (on the
+        D2H side stream on a GPU, each chunk followed by an event; synchronously otherwise)."""
+        self._grad_events = []
+        if not self._cuda:
+            for start, end in chunks:
+                self._copy_grad_range(start, end)
+            return
+        self._d2h_stream.wait_stream(torch.cuda.current_stream())   # the gradients are reduced
+        with torch.cuda.stream(self._d2h_stream):
+            self._timing["d2h_start"] = self._record_event(self._d2h_stream)
+            for start, end in chunks:
+                self._copy_grad_range(start, end)
+                self._grad_events.append((start, end, self._record_event(self._d2h_stream)))
+            self._timing["d2h_end"] = self._record_event(self._d2h_stream)
+
+    def _copy_grad_range(self, start: int, end: int) -> None:
+        for s in self._segments:
+            lo, hi = max(start, s.flat_start), min(end, s.flat_end)
+            if lo >= hi:
+                continue
+            src = s.grad_view[lo - s.flat_start:hi - s.flat_start]
+            dst = self._grads_host[lo:hi]
+            if not self._cuda or src.dtype == dst.dtype:
+                dst.copy_(src, non_blocking=self._cuda)   # on the CPU, copy_ rounds as .to() does
+                continue
+            # Round on the device, then copy the 16-bit values: half the bytes cross the bus.
+            if self._round_buffer is None:
+                self._round_buffer = torch.empty(min(self._numel, self.ROUND_PIECE_ELEMENTS),
+                                                 dtype=self.transfer_dtype, device=src.device)
+            for a in range(0, hi - lo, self._round_buffer.numel()):
+                b = min(hi - lo, a + self._round_buffer.numel())
+                rounded = self._round_buffer[:b - a]
+                rounded.copy_(src[a:b])          # same stream: a piece never overwrites one in flight
+                dst[a:b].copy_(rounded, non_blocking=True)
+
+    def _wait_for_grads(self, start: int, end: int) -> None:
+        """Return once the host gradient holds ``[start, end)``."""
+        if not self._grad_events:
+            return
+        rest = []
+        for lo, hi, event in self._grad_events:
+            if lo < end and start < hi:
+                event.synchronize()
+            else:
+                rest.append((lo, hi, event))
+        self._grad_events = rest
+
+    @staticmethod
+    def _record_event(stream):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
 
     def _copy_params_to_device(self, start: int, end: int) -> list:
         done = []
         ctx = torch.cuda.stream(self._h2d_stream) if self._h2d_stream is not None else None
         if ctx is not None:
             ctx.__enter__()
+            first = self._record_event(self._h2d_stream)
         try:
+            moved = 0
             for s in self._segments:
                 lo, hi = max(start, s.flat_start), min(end, s.flat_end)
                 if lo >= hi:
                     continue
                 dst = s.param_view[lo - s.flat_start:hi - s.flat_start]
                 dst.copy_(self._params_host[lo:hi], non_blocking=ctx is not None)
+                moved += (hi - lo) * self._params_host.element_size()
                 done.append((lo, hi))
         finally:
             if ctx is not None:
+                self._timing.setdefault("h2d", []).append((first, self._record_event(self._h2d_stream), moved))
                 ctx.__exit__(None, None, None)
         return done
+
+
+def _parameters(fn) -> set:
+    import inspect
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _log_grad_transfer(grad_dtype, transfer_dtype, numel: int, grad_transfer: str) -> None:
+    """Say once, at start, what the gradient costs on its way to the host."""
+    size = torch.tensor([], dtype=transfer_dtype).element_size()
+    name = str(transfer_dtype).replace("torch.", "")
+    logger.info("MLP-Offload: the reduced gradient leaves the device as %s (%d bytes/param, %d bytes per step "
+                "for this rank's %d params)%s", name, size, size * numel, numel,
+                "; rounded from the fp32 grad buffer on the device" if transfer_dtype != grad_dtype else "")
+    if grad_dtype == torch.float32 and grad_transfer == "auto" and numel:
+        logger.warning("MLP-Offload: the grad buffer is fp32 (Megatron-LM's --bf16 default), so gradients "
+                       "move as 4 bytes/param and are not kept in 16 bits on the host; --grad-reduce-in-bf16 "
+                       "or --mlp-offload-grad-transfer bf16 halves that (docs/megatron.md)")
 
 
 def _set_offload_step(offload, step: int) -> None:
@@ -229,6 +368,7 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
 
     mlp_config = None
     inner_factory: Optional[Callable] = None
+    _instances_built = 0   # per bound class, i.e. per get_megatron_optimizer call (factory.py)
 
     def __init__(self, optimizer, config, grad_scaler, init_state_fn, *args, **kwargs):
         if self.mlp_config is None:
@@ -236,6 +376,17 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
                              "megatron_mlp.megatron.factory (wrap_get_megatron_optimizer / mlp_offload_optimizers)")
         if config.optimizer != "adam":
             raise ValueError(f"--mlp-offload: optimizer {config.optimizer!r} is not supported (only adam)")
+        # Refused before Megatron allocates anything: each would train differently from what
+        # the flags say, silently.
+        _refuse_unsupported_config(config, args[0] if args else kwargs.get("model_chunks"))
+        type(self)._instances_built += 1
+        if type(self)._instances_built > 1:
+            raise ValueError(
+                "--mlp-offload: Megatron built more than one distributed optimizer (a ChainedOptimizer: "
+                "MoE expert parallelism with its own expert-data-parallel optimizer, or "
+                "--overlap-param-gather-with-optimizer-step with virtual pipeline stages). Each would clip "
+                "by its own partial gradient norm, unlike stock; not supported yet: train without "
+                "--mlp-offload or without that configuration")
         # Private copy: the caller's config (shared with other optimizers) keeps its meaning.
         config = copy.copy(config)
         config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
@@ -258,7 +409,7 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         torch_groups = self.optimizer.param_groups  # the dicts the LR scheduler writes
         offload = factory(self.mlp_config, self._group_ranges, torch_groups, self._initial_params)
         self.optimizer = _OffloadInner(torch_groups, self._segments, self._numel, self._grad_dtype,
-                                       self._param_dtype, offload)
+                                       self._param_dtype, offload, grad_transfer=self.mlp_config.grad_transfer)
 
     # -- layout ---------------------------------------------------------------------------------
     def _build_flat_layout(self) -> None:
@@ -489,6 +640,27 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
 
     def restore_from_cpu(self):
         """See offload_to_cpu."""
+
+
+def _refuse_unsupported_config(config, model_chunks) -> None:
+    """Megatron options that change the optimizer's arithmetic or state layout in ways the tier
+    and the fused kernel (fp32 params, fp32 m and v, AdamW) do not implement."""
+    for field, flag in (("main_params_dtype", "--main-params-dtype"), ("exp_avg_dtype", "--exp-avg-dtype"),
+                        ("exp_avg_sq_dtype", "--exp-avg-sq-dtype"), ("main_grads_dtype", "--main-grads-dtype")):
+        dtype = getattr(config, field, torch.float32)
+        if dtype != torch.float32:
+            raise ValueError(f"--mlp-offload: {flag} {str(dtype).replace('torch.', '')} is not supported; the tier "
+                             "keeps fp32 master params and fp32 Adam moments (drop the flag)")
+    if not getattr(config, "decoupled_weight_decay", True):
+        raise ValueError("--mlp-offload: Adam with L2 weight decay (decoupled_weight_decay=False, "
+                         "--no-decoupled-weight-decay) is not supported; the fused kernel implements AdamW")
+    ddp_configs = [getattr(c, "ddp_config", None) for c in (model_chunks or [])]
+    if any(getattr(d, "fp8_param_gather", False) for d in ddp_configs):
+        raise ValueError("--mlp-offload: --fp8-param-gather is not supported (fp8 params in the DDP buffer "
+                         "need fp8 casts of the updated params that the host update does not make); "
+                         "drop --fp8-param-gather")
+    if getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        raise ValueError("--mlp-offload: --reuse-grad-buf-for-mxfp8-param-ag is not supported")
 
 
 def _refuse_separately_clipped_params(model_params) -> None:

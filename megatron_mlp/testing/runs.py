@@ -18,7 +18,8 @@ def build(spec, tp: int, mlp_config=None, *, grad_reduce_in_fp32: bool = False, 
     from megatron_mlp.megatron.factory import mlp_offload_optimizers
     from megatron_mlp.testing import gpt, install_cpu_harness
 
-    install_cpu_harness()
+    if not torch.cuda.is_available():   # a real GPU run needs no harness (and it would refuse)
+        install_cpu_harness()
     gpt.init_model_parallel(tp=tp, pp=pp, seed=spec.seed)
     model = gpt.build_model(spec, grad_reduce_in_fp32=grad_reduce_in_fp32)
     with mlp_offload_optimizers(mlp_config, inner_factory):
@@ -162,3 +163,40 @@ def optimizer_state_by_param(model, opt) -> dict:
                         out[names[model_param]] = {k: t[k].detach().float().cpu().clone()
                                                    for k in ("param", "exp_avg", "exp_avg_sq")}
     return out
+
+
+def grad_staging_report(rank, world_size, spec, mlp_config, iters, grad_reduce_in_fp32=True):
+    """Train; after each step compare the host gradient staging buffer with the grad buffer's shard
+    (rounded to the staging dtype). Returns (losses, [{bytes_d2h, host_dtype, exact}] per step)."""
+    from megatron_mlp.testing import gpt
+
+    model, opt = build(spec, 1, mlp_config, grad_reduce_in_fp32=grad_reduce_in_fp32)
+    staging = inner_optimizers(opt)[0].optimizer
+    losses, report = [], []
+    for i in range(iters):
+        losses.append(gpt.train_step(spec, model, opt, i))
+        exact = all(torch.equal(staging._grads_host[s.flat_start:s.flat_end],
+                                s.grad_view.to(staging.transfer_dtype)) for s in staging._segments)
+        report.append({"bytes_d2h": staging.last_stats["bytes_d2h"], "numel": staging._numel,
+                       "host_dtype": str(staging.transfer_dtype), "exact": exact})
+    return losses, report
+
+
+def build_only(rank, world_size, spec, mlp_config, opt_overrides=None, builds=1):
+    """Build the optimizer ``builds`` times inside one factory swap (what a ChainedOptimizer of
+    several distributed optimizers does); returns the error message, or None."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from megatron_mlp.megatron.factory import mlp_offload_optimizers
+    from megatron_mlp.testing import gpt, install_cpu_harness
+
+    install_cpu_harness()
+    gpt.init_model_parallel(tp=1, seed=spec.seed)
+    model = gpt.build_model(spec)
+    try:
+        with mlp_offload_optimizers(mlp_config):
+            for _ in range(builds):
+                get_megatron_optimizer(gpt.optimizer_config(spec, **(opt_overrides or {})), model)
+    except ValueError as exc:
+        return str(exc)
+    return None

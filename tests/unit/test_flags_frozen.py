@@ -28,6 +28,7 @@ FROZEN = {
     "--mlp-offload-no-cache-order": "off",
     "--mlp-offload-no-deferred-upcast": "off",
     "--mlp-offload-no-warm-buffers": "off",
+    "--mlp-offload-grad-transfer": "`auto`",
     "--mlp-offload-cpu": "off",
 }
 
