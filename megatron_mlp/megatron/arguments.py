@@ -26,6 +26,7 @@ from megatron_mlp.tier.spec import parse_size, parse_tier_paths
 
 GROUP_TITLE = "MLP-Offload"
 ENV_CPU = "MLP_OFFLOAD_CPU"
+ENV_RUNTIME_DIR = "MLP_OFFLOAD_RUNTIME_DIR"
 
 _COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMbBgG]?)\s*$")
 _COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
@@ -88,8 +89,9 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "(megatron-mlp calibrate), 'off' uses bw= options or equal shares, "
                         "or a JSON file written by megatron-mlp calibrate.")
     g.add_argument("--mlp-offload-runtime-dir", type=str, default=None, metavar="DIR",
-                   help="Directory of the node-level tier token files, shared by the ranks of a node "
-                        "(default: a per-user directory chosen by the tier layer).")
+                   help="Directory of the node-level tier token files, shared by the ranks of a node and "
+                        f"by no other node (default: ${ENV_RUNTIME_DIR}, else a per-user directory in node-local "
+                        "shared memory chosen by the tier layer).")
     g.add_argument("--mlp-offload-job-id", type=str, default=None, metavar="ID",
                    help="Names this job's scratch directories on the tiers (<path>/...<ID>-r<rank>-...). "
                         "Default: $SLURM_JOB_ID, $PBS_JOBID or torchrun's $TORCHELASTIC_RUN_ID, else 'job'.")
@@ -191,7 +193,9 @@ def config_from_args(args) -> MLPOffloadConfig | None:
         raise ConfigError("--mlp-offload-paths: required with --mlp-offload; give the storage paths of the "
                           "virtual tier, e.g. --mlp-offload-paths '/local/nvme/$USER;/lustre/scratch/$USER'")
     tiers = parse_tier_paths(args.mlp_offload_paths, flag="--mlp-offload-paths")
-    runtime_dir = args.mlp_offload_runtime_dir
+    # The token namespace is the node: a launcher that runs several "nodes" on one machine (or a
+    # site whose default is not node-local) gives each its own directory by flag or environment.
+    runtime_dir = args.mlp_offload_runtime_dir or os.environ.get(ENV_RUNTIME_DIR) or None
     if runtime_dir is not None:
         runtime_dir = os.path.expanduser(os.path.expandvars(runtime_dir))
     return MLPOffloadConfig(
