@@ -244,56 +244,37 @@ def calibrated_config(config: MLPOffloadConfig, cache_path: str | None = None,
                       measure=None) -> tuple[MLPOffloadConfig, list[str]]:
     """Fill in each tier's bandwidth from calibration (``--mlp-offload-calibration``).
 
-    'off' leaves the declared ``bw=`` options (placement then uses equal defaults elsewhere);
-    'auto' measures once per node and path, cached (concurrent ranks wait for one measurement);
-    a file gives figures measured earlier (``megatron-mlp calibrate --cache FILE``). From a file, a
-    calibration of a parent directory on the same device counts for a path below it, so a per-job
-    scratch directory uses the figures of the node's NVMe measured by an earlier job.
-    Declared figures always win over measured ones.
+    'off' leaves the declared ``bw=`` options; 'auto' measures once per node and mount, cached
+    (concurrent ranks wait for one measurement); a file gives figures measured earlier
+    (``megatron-mlp calibrate --cache FILE``). Calibration stands for the device and mount it
+    measured, so a per-job scratch directory below a measured base directory uses its figures.
+    Declared figures always win over measured ones. A tier left with neither gets a warning
+    naming it: the placement then assumes the default bandwidth.
 
     Returns:
-        (config with bandwidths filled in, notes to print once)
+        (config with bandwidths filled in, notes to print once; warnings start with 'WARNING')
     Raises:
         ConfigError: the calibration file does not exist or is not a calibration file.
     """
-    if config.calibration == "off":
-        return config, []
     from megatron_mlp.tier.calibration import calibrations_for, resolve_bandwidth
+    from megatron_mlp.tier.resolve import default_bandwidth_warning
 
     cals, notes = calibrations_for(config.tiers, config.calibration, cache_path=cache_path, measure=measure)
     tiers = []
-    for spec, cal in zip(config.tiers, cals):
-        if cal is None and config.calibration != "auto":
-            cal = _ancestor_calibration(config.calibration, spec.path)
+    for index, (spec, cal) in enumerate(zip(config.tiers, cals)):
+        bw = resolve_bandwidth(spec, cal)
+        if "default" in bw.source:
+            notes.append(default_bandwidth_warning(index, spec.path, config.calibration))
+        else:
+            notes.append(f"tier {index} ({spec.path}): read {bw.read_bytes_per_s / 1e9:.2f} GB/s, write "
+                         f"{bw.write_bytes_per_s / 1e9:.2f} GB/s ({bw.source})")
         if cal is None:
-            notes.append(f"--mlp-offload-calibration: no figures for {spec.path}; using its declared bandwidth "
-                         "or the default assumption")
             tiers.append(spec)
             continue
-        bw = resolve_bandwidth(spec, cal)
         tiers.append(dataclasses.replace(spec, read_bytes_per_s=bw.read_bytes_per_s,
                                          write_bytes_per_s=bw.write_bytes_per_s,
                                          shared_rw_limit=bw.shared_rw_limit))
     return config.replace(tiers=tuple(tiers)), notes
-
-
-def _ancestor_calibration(file_path: str, path: str):
-    """The file's calibration of the nearest parent directory of ``path`` on the same device."""
-    from megatron_mlp.tier.calibration import PathCalibration, load_cache
-    from megatron_mlp.tier.device import device_info
-
-    info = device_info(path)
-    best = None
-    for entry in load_cache(file_path).values():
-        if not isinstance(entry, dict):
-            continue
-        root = entry.get("realpath", "")
-        if entry.get("st_dev") != info.st_dev or not root:
-            continue
-        if info.realpath == root or info.realpath.startswith(root.rstrip("/") + "/"):
-            if best is None or len(root) > len(best["realpath"]):
-                best = entry
-    return PathCalibration.from_dict(best) if best else None
 
 
 def cpu_requested(argv: list[str] | None = None, environ=None) -> bool:

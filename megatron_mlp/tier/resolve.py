@@ -13,6 +13,16 @@ from megatron_mlp.tier.spec import PATHS_FLAG, TierSpec
 from megatron_mlp.tier.validation import PathCheck, validate_tier_paths
 
 
+def default_bandwidth_warning(index: int, path: str, calibration: str) -> str:
+    """The warning for a tier whose bandwidth is neither declared nor measured (the placement, and
+    so the split of the state over the tiers, then rests on an assumption)."""
+    why = {"off": "calibration is off", "auto": "it could not be measured"}.get(
+        calibration, f"the calibration file {calibration} has no entry for its device and mount")
+    return (f"WARNING: tier {index} ({path}): no declared or measured bandwidth ({why}); assuming "
+            f"{DEFAULT_BYTES_PER_S / 1e9:g} GB/s. Declare bw= in {PATHS_FLAG} or calibrate "
+            "(megatron-mlp calibrate)")
+
+
 @dataclass(frozen=True)
 class ResolvedTiers:
     tiers: tuple[PlacementTier, ...]
@@ -58,6 +68,7 @@ def resolve_tiers(specs: tuple[TierSpec, ...], calibration: str = "auto", probe:
         source = bw.source
         if "default" in source:
             source += f" (assumed {DEFAULT_BYTES_PER_S / 1e9:g} GB/s)"
+            warnings.append(default_bandwidth_warning(len(tiers), spec.path, mode))
         tiers.append(PlacementTier(path=spec.path, read_bytes_per_s=bw.read_bytes_per_s,
                                    write_bytes_per_s=bw.write_bytes_per_s, capacity_bytes=cap,
                                    shared_rw_limit=bw.shared_rw_limit, ranks_sharing=ranks_sharing,
