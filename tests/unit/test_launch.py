@@ -215,3 +215,27 @@ def test_cpu_switch_makes_cuda_calls_of_megatron_lm_run_on_cpu():
     proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "CPU-OK" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("args,preset,expected", [
+    (["--tensor-model-parallel-size", "2"], None, "1"),
+    (["--tensor-model-parallel-size=4"], None, "1"),
+    (["--tensor-model-parallel-size", "2"], "8", "8"),      # the user's own value is kept
+    (["--tensor-model-parallel-size", "1"], None, None),
+    ([], None, None),
+])
+def test_launcher_sets_one_cuda_connection_before_the_script_when_tensor_parallel(checkout, args, preset,
+                                                                                    expected):
+    # The fake script reports what the environment held when it ran (before any CUDA start).
+    (checkout / "pretrain_gpt.py").write_text(
+        "import json, os\nimport megatron.training\n"
+        "json.dump({'cuda_connections': os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')}, "
+        "open(os.environ['FAKE_OUT'], 'w'))\n")
+    env = {} if preset is None else {"CUDA_DEVICE_MAX_CONNECTIONS": preset}
+    base_env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    out = checkout.parent / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "megatron_mlp.launch", str(checkout / "pretrain_gpt.py"), *args],
+                          env=dict(base_env, PYTHONPATH=str(REPO), FAKE_OUT=str(out), **env),
+                          cwd=checkout.parent, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["cuda_connections"] == expected
