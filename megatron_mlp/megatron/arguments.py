@@ -22,6 +22,7 @@ import sys
 
 from megatron_mlp.config import BACKENDS, ORDER_POLICIES, MLPOffloadConfig
 from megatron_mlp.errors import ConfigError
+from megatron_mlp.tier.shared import node_share, num_nodes_from_env
 from megatron_mlp.tier.spec import parse_size, parse_tier_paths
 
 GROUP_TITLE = "MLP-Offload"
@@ -52,7 +53,9 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--mlp-offload-paths", type=str, default=None, metavar="PATH[:OPTS][;PATH...]",
                    help="Storage paths of the virtual tier, ';'-separated, fastest first. Options after ':' "
                         "as key=value: bw (read and write), read_bw, write_bw, cap, qos (a bandwidth cap), "
-                        "rw=shared|separate (do reads and writes share one limit), "
+                        "rw=shared|separate (do reads and writes share one limit), shared=job (every node of the "
+                        "job uses the path, e.g. a parallel file system: its bw= and cap= are the job's total and "
+                        "each node plans with its share), "
                         "e.g. '/nvme/x:bw=6GB/s;/lustre/x:cap=2TB,qos=1GB/s'. $VARS are expanded in each "
                         "process ($RANK, $LOCAL_RANK, $SLURM_JOB_ID). Required with --mlp-offload.")
     g.add_argument("--mlp-offload-subgroup-size", type=str, default="100M", metavar="N",
@@ -220,7 +223,7 @@ def config_from_args(args) -> MLPOffloadConfig | None:
         cache_order=args.mlp_offload_cache_order,
         deferred_upcast=args.mlp_offload_deferred_upcast,
         warm_buffers=args.mlp_offload_warm_buffers,
-        extra={"job_id": _job_id(args.mlp_offload_job_id)},
+        extra={"job_id": _job_id(args.mlp_offload_job_id), "num_nodes": num_nodes_from_env()},
     )
 
 
@@ -249,7 +252,8 @@ def calibrated_config(config: MLPOffloadConfig, cache_path: str | None = None,
     (``megatron-mlp calibrate --cache FILE``). Calibration stands for the device and mount it
     measured, so a per-job scratch directory below a measured base directory uses its figures.
     Declared figures always win over measured ones. A tier left with neither gets a warning
-    naming it: the placement then assumes the default bandwidth.
+    naming it: the placement then assumes the default bandwidth. A tier shared by the job's nodes
+    (``shared=job``) then gets this node's share (:func:`megatron_mlp.tier.shared.node_share`).
 
     Returns:
         (config with bandwidths filled in, notes to print once; warnings start with 'WARNING')
@@ -260,20 +264,23 @@ def calibrated_config(config: MLPOffloadConfig, cache_path: str | None = None,
     from megatron_mlp.tier.resolve import default_bandwidth_warning
 
     cals, notes = calibrations_for(config.tiers, config.calibration, cache_path=cache_path, measure=measure)
+    num_nodes = int(config.extra.get("num_nodes", 1))
     tiers = []
     for index, (spec, cal) in enumerate(zip(config.tiers, cals)):
         bw = resolve_bandwidth(spec, cal)
+        if cal is not None:
+            spec = dataclasses.replace(spec, read_bytes_per_s=bw.read_bytes_per_s,
+                                       write_bytes_per_s=bw.write_bytes_per_s, shared_rw_limit=bw.shared_rw_limit)
+        share = node_share(spec, num_nodes)
         if "default" in bw.source:
             notes.append(default_bandwidth_warning(index, spec.path, config.calibration))
         else:
+            shared = (f"; shared by the job's {num_nodes} nodes: this node's share read "
+                      f"{share.read_bytes_per_s / 1e9:.2f} GB/s, write {share.write_bytes_per_s / 1e9:.2f} GB/s"
+                      if share is not spec else "")
             notes.append(f"tier {index} ({spec.path}): read {bw.read_bytes_per_s / 1e9:.2f} GB/s, write "
-                         f"{bw.write_bytes_per_s / 1e9:.2f} GB/s ({bw.source})")
-        if cal is None:
-            tiers.append(spec)
-            continue
-        tiers.append(dataclasses.replace(spec, read_bytes_per_s=bw.read_bytes_per_s,
-                                         write_bytes_per_s=bw.write_bytes_per_s,
-                                         shared_rw_limit=bw.shared_rw_limit))
+                         f"{bw.write_bytes_per_s / 1e9:.2f} GB/s ({bw.source}){shared}")
+        tiers.append(share)
     return config.replace(tiers=tuple(tiers)), notes
 
 
