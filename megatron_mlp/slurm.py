@@ -63,7 +63,8 @@ class SlurmJob:
     """SIGTERM this many seconds before the time limit; Megatron then saves a checkpoint and exits."""
     nvme_bw: str | None = None
     pfs_bw: str | None = None
-    """Per-path options for --mlp-offload-paths (e.g. '6GB/s'); None leaves bandwidth to calibration."""
+    """Bandwidths for --mlp-offload-paths (e.g. '6GB/s'); None leaves bandwidth to calibration.
+    ``nvme_bw`` is each node's; ``pfs_bw`` is the whole job's (the PFS is shared: shared=job)."""
     calibrate: bool = True
     calibration_cache: str = "$HOME/.cache/megatron_mlp/calibration"
     setup: tuple[str, ...] = field(default_factory=tuple)
@@ -101,7 +102,9 @@ def _paths_spec(job: SlurmJob) -> str:
     nvme = "$MLP_NVME_DIR" + (f":bw={job.nvme_bw}" if job.nvme_bw else "")
     if not job.pfs_path:
         return nvme
-    pfs = "$MLP_PFS_DIR" + (f":bw={job.pfs_bw}" if job.pfs_bw else "")
+    # The PFS is shared by the job's nodes: its declared bandwidth is the job's, of which each node
+    # plans with its share (shared=job). A measured figure is one node's view and is left per node.
+    pfs = "$MLP_PFS_DIR" + (f":bw={job.pfs_bw},shared=job" if job.pfs_bw else "")
     return f"{nvme};{pfs}"
 
 
@@ -410,8 +413,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--master-port", type=int, default=29500, help="rendezvous port on the first node")
     p.add_argument("--signal-seconds", type=int, default=120,
                    help="SIGTERM this long before the time limit; Megatron saves a checkpoint and exits")
-    p.add_argument("--nvme-bw", default=None, help="bandwidth option for the NVMe path (e.g. 6GB/s)")
-    p.add_argument("--pfs-bw", default=None, help="bandwidth option for the PFS path (e.g. 1GB/s)")
+    p.add_argument("--nvme-bw", default=None, help="bandwidth of each node's NVMe path (e.g. 6GB/s)")
+    p.add_argument("--pfs-bw", default=None, help="bandwidth of the PFS path for the whole job (e.g. 100GB/s): "
+                   "the nodes share it, each plans with 1/--nodes of it (shared=job)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="skip measuring each node's tiers before training (by default each node measures "
                         "them once and keeps the figures in --calibration-cache); the training then uses "

@@ -142,6 +142,15 @@ def test_scripts_export_one_cuda_connection_when_megatron_may_use_tensor_paralle
     env["CUDA_DEVICE_MAX_CONNECTIONS"] = "4"
     assert subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True).stdout == "4\n"
 
+
+def test_declared_pfs_bandwidth_is_the_jobs_and_shared_by_its_nodes_when_rendered():
+    from megatron_mlp.tier.shared import node_share
+    from megatron_mlp.tier.spec import parse_tier_paths
+    job = SlurmJob(megatron_path="/m", nvme_path="/n", pfs_path="/p", nodes=4, nvme_bw="6GB/s", pfs_bw="100GB/s")
+    spec = slurm._paths_spec(job)
+    nvme, pfs = parse_tier_paths(spec.replace("$MLP_NVME_DIR", "/n/j").replace("$MLP_PFS_DIR", "/p/j"))
+    assert node_share(nvme, 4).read_bytes_per_s == 6e9 and node_share(pfs, 4).read_bytes_per_s == 25e9
+
 # ---------------------------------------------------------------- running with mocked Slurm
 
 FAKE_SRUN = r'''
