@@ -327,5 +327,8 @@ def test_rendered_two_node_slurm_script_trains_end_to_end_with_its_calibration_u
     assert "WARNING: tier" not in log, log[-6000:]
     for d in (nvme, pfs):
         assert re.search(rf"tier \d \({re.escape(str(d))}/megatron-mlp-7001\): read .* \(measured\)", log), log[-6000:]
+    # Once per log interval, what each tier moved: the tiny model does offload.
+    assert re.search(rf"megatron_mlp: last 1 iterations, this rank: {re.escape(str(nvme))}/megatron-mlp-7001 "
+                     r"read [0-9.]+ [kM]B, wrote [0-9.]+ [kM]B", log), log[-6000:]
     assert sorted(os.listdir(tmp_path / "nodes")) == ["127.0.0.1", "127.0.0.2"]
     assert not (nvme / "megatron-mlp-7001").exists() and not (pfs / "megatron-mlp-7001").exists()

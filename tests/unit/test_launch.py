@@ -239,3 +239,38 @@ def test_launcher_sets_one_cuda_connection_before_the_script_when_tensor_paralle
                           cwd=checkout.parent, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(out.read_text())["cuda_connections"] == expected
+
+
+def test_training_log_hook_prints_bytes_each_tier_moved_once_per_log_interval(capsys):
+    class Inner:
+        def __init__(self):
+            self.counts = {"/nvme/x": (3_000_000, 2_000_000), "/pfs/y": (1_000_000, 0)}
+
+        def take_tier_bytes(self):
+            taken, self.counts = self.counts, {}
+            return taken
+
+    class Dist:   # Megatron's DistributedOptimizer holds the inner one as .optimizer
+        optimizer = Inner()
+
+    class Args:
+        mlp_offload, log_interval, curr_iteration = True, 5, 3
+
+    class Timers:
+        _timers = {}
+
+    opt = Dist()
+    hooks._built.add(opt)
+    try:
+        wrapped = hooks.wrap_training_log(lambda *a, **k: "ok", lambda: Args, lambda: Timers())
+        wrapped()
+        assert "megatron_mlp: last" not in capsys.readouterr().out   # not a log iteration
+        Args.curr_iteration = 5
+        wrapped()
+        assert capsys.readouterr().out.strip() == ("megatron_mlp: last 5 iterations, this rank: /nvme/x read 3.00 MB, "
+                                                   "wrote 2.00 MB; /pfs/y read 1.00 MB, wrote 0 B")
+        Args.curr_iteration = 10
+        wrapped()
+        assert "megatron_mlp: last" not in capsys.readouterr().out   # counted anew: nothing moved since
+    finally:
+        hooks._built.discard(opt)
