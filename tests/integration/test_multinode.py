@@ -82,7 +82,9 @@ def _torchrun_nodes(root: Path, nodes: int, nproc: int, job: str, args: list[str
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node),
                "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--rdzv-id", job, "--max-restarts", "0", "-m", "megatron_mlp.launch", str(SCRIPT)]
-        cmd += TRAIN + OFFLOAD + ["--mlp-offload-paths", f"{local};{pfs}", "--standin-result-dir", str(results)]
+        # The PFS is declared for the job (shared=job): each node plans with its share of 4 GB/s.
+        cmd += TRAIN + OFFLOAD + ["--mlp-offload-paths", f"{local}:bw=2GB/s;{pfs}:bw=4GB/s,shared=job",
+                                  "--standin-result-dir", str(results)]
         cmd += args + (per_node_args or {}).get(node, [])
         # Output to a file, not a pipe: an agent blocked on a full pipe would look like a hang.
         logs.append(open(results / f"{job}-node{node}.log", "w+"))
@@ -130,7 +132,8 @@ def two_nodes(tmp_path_factory):
     one = tmp_path_factory.mktemp("one-node")
     rcs1, outs1, _ = _torchrun_nodes(one, 1, 4, "job1n", [], one / "res")
     assert rcs1 == [0], outs1[0][-4000:]
-    return {"root": root, "res": _results(root / "res"), "one": _results(one / "res"), "outs": outs}
+    return {"root": root, "res": _results(root / "res"), "one": _results(one / "res"), "outs": outs,
+            "outs_one": outs1}
 
 
 def test_two_nodes_train_bit_for_bit_like_one_node_of_four_ranks_when_launched_by_torchrun(two_nodes):
@@ -141,6 +144,12 @@ def test_two_nodes_train_bit_for_bit_like_one_node_of_four_ranks_when_launched_b
     for rank in two:
         assert two[rank]["losses"] == one[rank]["losses"], f"rank {rank}: losses differ"
         assert two[rank]["grad_norms"] == one[rank]["grad_norms"], f"rank {rank}: grad norms differ"
+
+
+def test_optimizer_plans_with_its_nodes_share_of_the_shared_tier_when_torchrun_runs_two_nodes(two_nodes):
+    share = "shared by the job's 2 nodes: this node's share read 2.00 GB/s, write 2.00 GB/s"
+    assert share in "".join(two_nodes["outs"]), "the first rank prints each tier's figures"
+    assert "this node's share" not in two_nodes["outs_one"][0], "one node has the whole PFS"
 
 
 def test_scratch_on_the_shared_dir_is_unique_per_job_and_rank_and_removed_when_the_job_ends(two_nodes):
