@@ -295,7 +295,9 @@ if sys.argv[1:3] == ["show", "hostnames"]:
 '''
 
 
-def test_rendered_two_node_slurm_script_trains_end_to_end_with_its_calibration_used(two_nodes, tmp_path):
+@pytest.mark.parametrize("launcher,job_id", [("srun", "7001"), ("torchrun", "7002")])
+def test_rendered_two_node_slurm_script_trains_end_to_end_with_its_calibration_used(two_nodes, tmp_path, launcher,
+                                                                                   job_id):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, body in (("sbatch", STANDIN_SBATCH), ("srun", STANDIN_SRUN), ("scontrol", STANDIN_SCONTROL)):
@@ -305,7 +307,7 @@ def test_rendered_two_node_slurm_script_trains_end_to_end_with_its_calibration_u
     nvme, pfs, calib, res = (tmp_path / d for d in ("nvme", "pfs", "calib", "res"))
     for d in (nvme, pfs, res):
         d.mkdir()
-    env = _env({"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "STANDIN_JOB_ID": "7001",
+    env = _env({"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "STANDIN_JOB_ID": job_id,
                 "STANDIN_NODES": str(tmp_path / "nodes")})
     # Measured by an earlier job (small, to keep CI short): the job's own calibration step finds
     # these figures for the base paths, and training in the job's directories below must use them.
@@ -319,13 +321,14 @@ def test_rendered_two_node_slurm_script_trains_end_to_end_with_its_calibration_u
         [sys.executable, "-m", "megatron_mlp", "slurm", "--nodes", "2", "--gpus-per-node", "2",
          "--megatron-path", str(STANDIN), "--nvme-path", str(nvme), "--pfs-path", str(pfs),
          "--python", sys.executable, "--master-port", str(_free_port()), "--calibration-cache", str(calib),
-         "--time", "00:10:00", "--setup", f"export PYTHONPATH={REPO}",
+         "--time", "00:10:00", "--launcher", launcher, "--setup", f"export PYTHONPATH={REPO}",
          "--model-args", f"--bf16 --train-iters 3 --standin-result-dir {res}",
          "--mlp-args", "--mlp-offload-cpu --mlp-offload-subgroup-size 4096", "-o", str(script), "--submit"],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    log = (tmp_path / "job-7001.out").read_text() if (tmp_path / "job-7001.out").exists() else ""
+    out_file = tmp_path / f"job-{job_id}.out"
+    log = out_file.read_text() if out_file.exists() else ""
     assert render.returncode == 0, render.stdout + render.stderr + log[-6000:]
-    assert "Submitted batch job 7001" in render.stdout and "training step exited with status 0" in log
+    assert f"Submitted batch job {job_id}" in render.stdout and "training step exited with status 0" in log
     results = _results(res)
     assert sorted(results) == [0, 1, 2, 3]
     assert sorted(tuple(r["node_and_local_rank"]) for r in results.values()) == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -335,9 +338,9 @@ def test_rendered_two_node_slurm_script_trains_end_to_end_with_its_calibration_u
     # back to the default bandwidth.
     assert "WARNING: tier" not in log, log[-6000:]
     for d in (nvme, pfs):
-        assert re.search(rf"tier \d \({re.escape(str(d))}/megatron-mlp-7001\): read .* \(measured\)", log), log[-6000:]
+        assert re.search(rf"tier \d \({re.escape(str(d))}/megatron-mlp-{job_id}\): read .* \(measured\)", log), log[-6000:]
     # Once per log interval, what each tier moved: the tiny model does offload.
-    assert re.search(rf"megatron_mlp: last 1 iterations, this rank: {re.escape(str(nvme))}/megatron-mlp-7001 "
+    assert re.search(rf"megatron_mlp: last 1 iterations, this rank: {re.escape(str(nvme))}/megatron-mlp-{job_id} "
                      r"read [0-9.]+ [kM]B, wrote [0-9.]+ [kM]B", log), log[-6000:]
     assert sorted(os.listdir(tmp_path / "nodes")) == ["127.0.0.1", "127.0.0.2"]
-    assert not (nvme / "megatron-mlp-7001").exists() and not (pfs / "megatron-mlp-7001").exists()
+    assert not (nvme / f"megatron-mlp-{job_id}").exists() and not (pfs / f"megatron-mlp-{job_id}").exists()
