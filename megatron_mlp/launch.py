@@ -6,6 +6,9 @@
 Runs the script as Python would run it (``sys.argv`` = script and its arguments, the script's
 directory first on ``sys.path``, ``__name__ == "__main__"``), after:
 
+0. ``CUDA_DEVICE_MAX_CONNECTIONS=1`` when ``--tensor-model-parallel-size`` is above 1 and the
+   variable is unset (Megatron asserts it with tensor parallelism; CUDA reads it when it starts,
+   so it is set before anything can start CUDA);
 1. ``--mlp-offload-cpu`` / ``MLP_OFFLOAD_CPU=1``: the CPU harness (smoke runs without a GPU);
 2. a pre-flight check of the ``--mlp-offload*`` values, so a typo fails in a second on every rank
    instead of after model construction;
@@ -55,6 +58,34 @@ def preflight(script_args: list[str]) -> None:
     config_from_args(args)
 
 
+CUDA_CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def tensor_parallel_size(script_args: list[str]) -> int:
+    """``--tensor-model-parallel-size`` as Megatron will parse it (1 when absent or unreadable:
+    Megatron reports a bad value itself)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    try:
+        args, _ = parser.parse_known_args(script_args)
+    except SystemExit:
+        return 1
+    return args.tensor_model_parallel_size
+
+
+def set_cuda_connections(script_args: list[str], environ=None) -> bool:
+    """Set ``CUDA_DEVICE_MAX_CONNECTIONS=1`` for tensor parallelism when the user has not set it.
+
+    Returns:
+        Whether it was set here.
+    """
+    environ = os.environ if environ is None else environ
+    if tensor_parallel_size(script_args) > 1 and CUDA_CONNECTIONS_ENV not in environ:
+        environ[CUDA_CONNECTIONS_ENV] = "1"
+        return True
+    return False
+
+
 def run_script(script: str, script_args: list[str]) -> None:
     """Run ``script`` as ``python script args`` would, in this process."""
     script = os.path.abspath(script)
@@ -69,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE + "\n\n" + __doc__)
         return 0 if argv else 2
     script, script_args = argv[0], argv[1:]
+    set_cuda_connections(script_args)   # first: nothing below may have started CUDA yet
     if not os.path.isfile(script):
         print(f"megatron_mlp.launch: {script}: no such script (give the path to Megatron-LM's "
               f"pretrain_gpt.py or another pretrain script)\n{USAGE}", file=sys.stderr)

@@ -63,7 +63,8 @@ class SlurmJob:
     """SIGTERM this many seconds before the time limit; Megatron then saves a checkpoint and exits."""
     nvme_bw: str | None = None
     pfs_bw: str | None = None
-    """Per-path options for --mlp-offload-paths (e.g. '6GB/s'); None leaves bandwidth to calibration."""
+    """Bandwidths for --mlp-offload-paths (e.g. '6GB/s'); None leaves bandwidth to calibration.
+    ``nvme_bw`` is each node's; ``pfs_bw`` is the whole job's (the PFS is shared: shared=job)."""
     calibrate: bool = True
     calibration_cache: str = "$HOME/.cache/megatron_mlp/calibration"
     setup: tuple[str, ...] = field(default_factory=tuple)
@@ -101,7 +102,9 @@ def _paths_spec(job: SlurmJob) -> str:
     nvme = "$MLP_NVME_DIR" + (f":bw={job.nvme_bw}" if job.nvme_bw else "")
     if not job.pfs_path:
         return nvme
-    pfs = "$MLP_PFS_DIR" + (f":bw={job.pfs_bw}" if job.pfs_bw else "")
+    # The PFS is shared by the job's nodes: its declared bandwidth is the job's, of which each node
+    # plans with its share (shared=job). A measured figure is one node's view and is left per node.
+    pfs = "$MLP_PFS_DIR" + (f":bw={job.pfs_bw},shared=job" if job.pfs_bw else "")
     return f"{nvme};{pfs}"
 
 
@@ -117,6 +120,29 @@ def _scratch_exports(job: SlurmJob, job_id: str) -> list[str]:
 
 def _calibration_paths(job: SlurmJob) -> str:
     return "$MLP_NVME_BASE" + (";$MLP_PFS_BASE" if job.pfs_path else "")
+
+
+def _megatron_flags(job: SlurmJob, *flags: str) -> str:
+    """``flags`` that the user's --model-args do not already carry, so none is given twice."""
+    try:
+        given = set(shlex.split(job.model_args))
+    except ValueError:   # unbalanced quotes: left to bash -n and Megatron to report
+        given = set(job.model_args.split())
+    return " ".join(f for f in flags if f not in given)
+
+
+def _train_args(job: SlurmJob, *extra: str) -> str:
+    """The training arguments: the user's, the Megatron flags MLP-Offload relies on, ours."""
+    parts = [job.model_args, _megatron_flags(job, "--use-distributed-optimizer", "--exit-signal-handler"), *extra]
+    return " ".join(p for p in parts if p)
+
+
+# Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor parallelism (so that its communication
+# kernels are scheduled in issue order); the launcher sets it too when TP > 1 and it is unset.
+_CUDA_CONNECTIONS = [
+    "# Megatron needs one CUDA connection per device with tensor parallelism (it asserts this).",
+    "export CUDA_DEVICE_MAX_CONNECTIONS=\"${CUDA_DEVICE_MAX_CONNECTIONS:-1}\"",
+]
 
 
 def _offload_flags(job: SlurmJob, node_name: str) -> str:
@@ -171,6 +197,7 @@ def render_job_script(job: SlurmJob) -> str:
         "export MASTER_ADDR=\"$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)\"",
         f"export MASTER_PORT={job.master_port}",
         "export OMP_NUM_THREADS=\"${OMP_NUM_THREADS:-4}\"",
+        *_CUDA_CONNECTIONS,
         "",
         "TRAIN_PID=",
         "cleanup() {",
@@ -208,7 +235,7 @@ def render_job_script(job: SlurmJob) -> str:
             f"\"$PYTHON\" \"{_calibration_paths(job)}\" || exit 1",
         ]
     mlp = _offload_flags(job, "$SLURMD_NODENAME")
-    train_args = f"{job.model_args} --use-distributed-optimizer --exit-signal-handler {mlp}".strip()
+    train_args = _train_args(job, mlp)
     lines += ["", "# 3. Train. Megatron-LM stays unmodified: megatron_mlp.launch adds the flags and the optimizer."]
     lines.append(f"TRAIN_ARGS=({train_args})")
     if job.launcher == "srun":
@@ -293,6 +320,7 @@ def render_pbs_script(job: SlurmJob) -> str:
         "export MASTER_ADDR=\"$(head -n 1 \"$PBS_NODEFILE\")\"",
         f"export MASTER_PORT={job.master_port}",
         "export OMP_NUM_THREADS=\"${OMP_NUM_THREADS:-4}\"",
+        *_CUDA_CONNECTIONS,
         "# Per node, once: mpiexec with one process per node.",
         "per_node() { mpiexec -n \"$NNODES\" --ppn 1 \"$@\"; }",
         "",
@@ -328,8 +356,7 @@ def render_pbs_script(job: SlurmJob) -> str:
             f"\"$PYTHON\" \"{_calibration_paths(job)}\" || exit 1",
         ]
     mlp = _offload_flags(job, "$MLP_NODE")
-    train_args = (f"{job.model_args} --use-distributed-optimizer --exit-signal-handler "
-                  f"--exit-duration-in-mins \"$EXIT_MINUTES\" {mlp}").strip()
+    train_args = _train_args(job, "--exit-duration-in-mins \"$EXIT_MINUTES\"", mlp)
     lines += [
         "",
         f"# 3. Train. Megatron saves and exits {job.signal_seconds} s before the walltime: its",
@@ -352,32 +379,47 @@ def render_pbs_script(job: SlurmJob) -> str:
     return "\n".join(lines)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown where they say something: not for switches (``--no-calibrate ... (default:
+    True)`` read as "off by default") nor for options whose default is "not set" or empty."""
+
+    def _get_help_string(self, action):
+        switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        if switch or action.default is None or action.default in ("", []):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-mlp slurm", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_HelpFormatter)
     p.add_argument("--megatron-path", required=True, help="Megatron-LM checkout (unmodified)")
     p.add_argument("--nvme-path", required=True, help="node-local NVMe directory for optimizer-state scratch")
-    p.add_argument("--pfs-path", default=None, help="shared PFS directory for the second tier path")
+    p.add_argument("--pfs-path", default=None, help="shared PFS directory for the second tier path (default: none, "
+                   "NVMe only)")
     p.add_argument("--model-args", default="", help="Megatron arguments as one string (model, data, --save, --load)")
     p.add_argument("--mlp-args", default="", help="further --mlp-offload-* flags as one string")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--time", default="04:00:00")
-    p.add_argument("--job-name", default="megatron-mlp")
-    p.add_argument("--partition", default=None)
-    p.add_argument("--account", default=None)
-    p.add_argument("--cpus-per-gpu", type=int, default=None)
+    p.add_argument("--nodes", type=int, default=1, help="nodes of the job (#SBATCH --nodes)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs, and so training ranks, per node")
+    p.add_argument("--time", default="04:00:00", help="time limit: HH:MM:SS, D-HH:MM:SS or MM")
+    p.add_argument("--job-name", default="megatron-mlp", help="Slurm job name")
+    p.add_argument("--partition", default=None, help="Slurm partition (PBS: queue)")
+    p.add_argument("--account", default=None, help="account to charge")
+    p.add_argument("--cpus-per-gpu", type=int, default=None, help="CPU cores per GPU (default: the site's)")
     p.add_argument("--script", default="pretrain_gpt.py", help="pretrain script inside the checkout")
     p.add_argument("--python", default="python", help="python executable on the compute nodes")
     p.add_argument("--launcher", choices=LAUNCHERS, default="srun",
                    help="srun: one task per GPU (SIGTERM reaches each rank); torchrun: srun + torchrun per node")
-    p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument("--master-port", type=int, default=29500, help="rendezvous port on the first node")
     p.add_argument("--signal-seconds", type=int, default=120,
                    help="SIGTERM this long before the time limit; Megatron saves a checkpoint and exits")
-    p.add_argument("--nvme-bw", default=None, help="bandwidth option for the NVMe path (e.g. 6GB/s)")
-    p.add_argument("--pfs-bw", default=None, help="bandwidth option for the PFS path (e.g. 1GB/s)")
+    p.add_argument("--nvme-bw", default=None, help="bandwidth of each node's NVMe path (e.g. 6GB/s)")
+    p.add_argument("--pfs-bw", default=None, help="bandwidth of the PFS path for the whole job (e.g. 100GB/s): "
+                   "the nodes share it, each plans with 1/--nodes of it (shared=job)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
-                   help="skip per-node calibration (--mlp-offload-calibration off)")
+                   help="skip measuring each node's tiers before training (by default each node measures "
+                        "them once and keeps the figures in --calibration-cache); the training then uses "
+                        "--nvme-bw/--pfs-bw or the default assumption (--mlp-offload-calibration off)")
     p.add_argument("--calibration-cache", default="$HOME/.cache/megatron_mlp/calibration",
                    help="directory of the per-node calibration files, kept across jobs")
     p.add_argument("--setup", action="append", default=[], help="a shell line run first (repeatable)")

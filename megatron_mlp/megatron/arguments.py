@@ -22,10 +22,12 @@ import sys
 
 from megatron_mlp.config import BACKENDS, GRAD_TRANSFERS, ORDER_POLICIES, MLPOffloadConfig
 from megatron_mlp.errors import ConfigError
+from megatron_mlp.tier.shared import node_share, num_nodes_from_env
 from megatron_mlp.tier.spec import parse_size, parse_tier_paths
 
 GROUP_TITLE = "MLP-Offload"
 ENV_CPU = "MLP_OFFLOAD_CPU"
+ENV_RUNTIME_DIR = "MLP_OFFLOAD_RUNTIME_DIR"
 
 _COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMbBgG]?)\s*$")
 _COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
@@ -51,7 +53,9 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--mlp-offload-paths", type=str, default=None, metavar="PATH[:OPTS][;PATH...]",
                    help="Storage paths of the virtual tier, ';'-separated, fastest first. Options after ':' "
                         "as key=value: bw (read and write), read_bw, write_bw, cap, qos (a bandwidth cap), "
-                        "rw=shared|separate (do reads and writes share one limit), "
+                        "rw=shared|separate (do reads and writes share one limit), shared=job (every node of the "
+                        "job uses the path, e.g. a parallel file system: its bw= and cap= are the job's total and "
+                        "each node plans with its share), "
                         "e.g. '/nvme/x:bw=6GB/s;/lustre/x:cap=2TB,qos=1GB/s'. $VARS are expanded in each "
                         "process ($RANK, $LOCAL_RANK, $SLURM_JOB_ID). Required with --mlp-offload.")
     g.add_argument("--mlp-offload-subgroup-size", type=str, default="100M", metavar="N",
@@ -88,8 +92,9 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "(megatron-mlp calibrate), 'off' uses bw= options or equal shares, "
                         "or a JSON file written by megatron-mlp calibrate.")
     g.add_argument("--mlp-offload-runtime-dir", type=str, default=None, metavar="DIR",
-                   help="Directory of the node-level tier token files, shared by the ranks of a node "
-                        "(default: a per-user directory chosen by the tier layer).")
+                   help="Directory of the node-level tier token files, shared by the ranks of a node and "
+                        f"by no other node (default: ${ENV_RUNTIME_DIR}, else a per-user directory in node-local "
+                        "shared memory chosen by the tier layer).")
     g.add_argument("--mlp-offload-job-id", type=str, default=None, metavar="ID",
                    help="Names this job's scratch directories on the tiers (<path>/...<ID>-r<rank>-...). "
                         "Default: $SLURM_JOB_ID, $PBS_JOBID or torchrun's $TORCHELASTIC_RUN_ID, else 'job'.")
@@ -197,7 +202,9 @@ def config_from_args(args) -> MLPOffloadConfig | None:
         raise ConfigError("--mlp-offload-paths: required with --mlp-offload; give the storage paths of the "
                           "virtual tier, e.g. --mlp-offload-paths '/local/nvme/$USER;/lustre/scratch/$USER'")
     tiers = parse_tier_paths(args.mlp_offload_paths, flag="--mlp-offload-paths")
-    runtime_dir = args.mlp_offload_runtime_dir
+    # The token namespace is the node: a launcher that runs several "nodes" on one machine (or a
+    # site whose default is not node-local) gives each its own directory by flag or environment.
+    runtime_dir = args.mlp_offload_runtime_dir or os.environ.get(ENV_RUNTIME_DIR) or None
     if runtime_dir is not None:
         runtime_dir = os.path.expanduser(os.path.expandvars(runtime_dir))
     return MLPOffloadConfig(
@@ -223,7 +230,7 @@ def config_from_args(args) -> MLPOffloadConfig | None:
         deferred_upcast=args.mlp_offload_deferred_upcast,
         warm_buffers=args.mlp_offload_warm_buffers,
         grad_transfer=getattr(args, "mlp_offload_grad_transfer", "auto"),
-        extra={"job_id": _job_id(args.mlp_offload_job_id)},
+        extra={"job_id": _job_id(args.mlp_offload_job_id), "num_nodes": num_nodes_from_env()},
     )
 
 
@@ -247,56 +254,41 @@ def calibrated_config(config: MLPOffloadConfig, cache_path: str | None = None,
                       measure=None) -> tuple[MLPOffloadConfig, list[str]]:
     """Fill in each tier's bandwidth from calibration (``--mlp-offload-calibration``).
 
-    'off' leaves the declared ``bw=`` options (placement then uses equal defaults elsewhere);
-    'auto' measures once per node and path, cached (concurrent ranks wait for one measurement);
-    a file gives figures measured earlier (``megatron-mlp calibrate --cache FILE``). From a file, a
-    calibration of a parent directory on the same device counts for a path below it, so a per-job
-    scratch directory uses the figures of the node's NVMe measured by an earlier job.
-    Declared figures always win over measured ones.
+    'off' leaves the declared ``bw=`` options; 'auto' measures once per node and mount, cached
+    (concurrent ranks wait for one measurement); a file gives figures measured earlier
+    (``megatron-mlp calibrate --cache FILE``). Calibration stands for the device and mount it
+    measured, so a per-job scratch directory below a measured base directory uses its figures.
+    Declared figures always win over measured ones. A tier left with neither gets a warning
+    naming it: the placement then assumes the default bandwidth. A tier shared by the job's nodes
+    (``shared=job``) then gets this node's share (:func:`megatron_mlp.tier.shared.node_share`).
 
     Returns:
-        (config with bandwidths filled in, notes to print once)
+        (config with bandwidths filled in, notes to print once; warnings start with 'WARNING')
     Raises:
         ConfigError: the calibration file does not exist or is not a calibration file.
     """
-    if config.calibration == "off":
-        return config, []
     from megatron_mlp.tier.calibration import calibrations_for, resolve_bandwidth
+    from megatron_mlp.tier.resolve import default_bandwidth_warning
 
     cals, notes = calibrations_for(config.tiers, config.calibration, cache_path=cache_path, measure=measure)
+    num_nodes = int(config.extra.get("num_nodes", 1))
     tiers = []
-    for spec, cal in zip(config.tiers, cals):
-        if cal is None and config.calibration != "auto":
-            cal = _ancestor_calibration(config.calibration, spec.path)
-        if cal is None:
-            notes.append(f"--mlp-offload-calibration: no figures for {spec.path}; using its declared bandwidth "
-                         "or the default assumption")
-            tiers.append(spec)
-            continue
+    for index, (spec, cal) in enumerate(zip(config.tiers, cals)):
         bw = resolve_bandwidth(spec, cal)
-        tiers.append(dataclasses.replace(spec, read_bytes_per_s=bw.read_bytes_per_s,
-                                         write_bytes_per_s=bw.write_bytes_per_s,
-                                         shared_rw_limit=bw.shared_rw_limit))
+        if cal is not None:
+            spec = dataclasses.replace(spec, read_bytes_per_s=bw.read_bytes_per_s,
+                                       write_bytes_per_s=bw.write_bytes_per_s, shared_rw_limit=bw.shared_rw_limit)
+        share = node_share(spec, num_nodes)
+        if "default" in bw.source:
+            notes.append(default_bandwidth_warning(index, spec.path, config.calibration))
+        else:
+            shared = (f"; shared by the job's {num_nodes} nodes: this node's share read "
+                      f"{share.read_bytes_per_s / 1e9:.2f} GB/s, write {share.write_bytes_per_s / 1e9:.2f} GB/s"
+                      if share is not spec else "")
+            notes.append(f"tier {index} ({spec.path}): read {bw.read_bytes_per_s / 1e9:.2f} GB/s, write "
+                         f"{bw.write_bytes_per_s / 1e9:.2f} GB/s ({bw.source}){shared}")
+        tiers.append(share)
     return config.replace(tiers=tuple(tiers)), notes
-
-
-def _ancestor_calibration(file_path: str, path: str):
-    """The file's calibration of the nearest parent directory of ``path`` on the same device."""
-    from megatron_mlp.tier.calibration import PathCalibration, load_cache
-    from megatron_mlp.tier.device import device_info
-
-    info = device_info(path)
-    best = None
-    for entry in load_cache(file_path).values():
-        if not isinstance(entry, dict):
-            continue
-        root = entry.get("realpath", "")
-        if entry.get("st_dev") != info.st_dev or not root:
-            continue
-        if info.realpath == root or info.realpath.startswith(root.rstrip("/") + "/"):
-            if best is None or len(root) > len(best["realpath"]):
-                best = entry
-    return PathCalibration.from_dict(best) if best else None
 
 
 def cpu_requested(argv: list[str] | None = None, environ=None) -> bool:

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 
 from megatron_mlp.megatron.arguments import (add_mlp_offload_args, calibrated_config, config_from_args,
                                              cpu_requested)
 
 TIMER_PREFIX = "optimizer-mlp-offload"
 _MARK = "__mlp_offload_hook__"
+# The optimizers the hooked factory built, for the training log's bytes-per-tier line.
+_built: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def _mark(fn):
@@ -69,7 +72,12 @@ def wrap_get_megatron_optimizer(get_megatron_optimizer, get_args):
             _print_rank_0(f"megatron_mlp: {note}")
         from megatron_mlp.megatron import factory  # the optimizer and its factory hook
 
-        return factory.wrap_get_megatron_optimizer(get_megatron_optimizer, config)(*args, **kwargs)
+        optimizer = factory.wrap_get_megatron_optimizer(get_megatron_optimizer, config)(*args, **kwargs)
+        try:
+            _built.add(optimizer)
+        except TypeError:   # not weak-referenceable: no bytes line, nothing else lost
+            pass
+        return optimizer
 
     return _mark(hooked)
 
@@ -83,6 +91,27 @@ def _print_rank_0(message: str) -> None:
     except ImportError:
         pass
     print(message, flush=True)
+
+
+def tier_bytes_line(optimizers, interval: int) -> str | None:
+    """What each tier moved for this rank over the last ``interval`` iterations, as one log line
+    (None when nothing offloads). Takes the counts: the next line starts from zero."""
+    moved: dict[str, list[int]] = {}
+    for opt in optimizers:
+        for inner in getattr(opt, "chained_optimizers", [opt]):
+            take = getattr(getattr(inner, "optimizer", None), "take_tier_bytes", None)
+            if take is None:
+                continue
+            for path, (read, written) in take().items():
+                acc = moved.setdefault(path, [0, 0])
+                acc[0] += read
+                acc[1] += written
+    if not moved:
+        return None
+    from megatron_mlp.tier.placement import human_bytes
+
+    parts = [f"{path} read {human_bytes(r)}, wrote {human_bytes(w)}" for path, (r, w) in moved.items()]
+    return f"megatron_mlp: last {interval} iterations, this rank: " + "; ".join(parts)
 
 
 def offload_timer_names(timers) -> list[str]:
@@ -112,6 +141,11 @@ def wrap_training_log(training_log, get_args, get_timers):
             names = offload_timer_names(timers)
             if names:
                 timers.log(names, normalizer=interval)
+            # So a user sees the offloading happen (a small model may fit the working buffers and
+            # move nothing): the bytes each tier moved, once per log interval.
+            line = tier_bytes_line(list(_built), interval)
+            if line:
+                _print_rank_0(line)
         return result
 
     return _mark(hooked)

@@ -123,6 +123,8 @@ class _OffloadInner:
         self._accepts_grads_ready = "grads_ready" in _parameters(getattr(offload, "step", None))
         self.last_stats: dict = {}
         self.tier_failure = None   # a TierFailure after a completed step, for the outer optimizer
+        # Bytes each tier read and wrote since the training log last took them (take_tier_bytes).
+        self.tier_bytes: dict[str, list[int]] = {}
         _log_grad_transfer(grad_dtype, self.transfer_dtype, numel, grad_transfer)
 
     @property
@@ -178,12 +180,22 @@ class _OffloadInner:
         if self._h2d_stream is not None:
             torch.cuda.current_stream().wait_stream(self._h2d_stream)
         t2 = time.perf_counter()
+        for tier in getattr(self.offload, "last_step_stats", {}).get("tiers", []):
+            moved = self.tier_bytes.setdefault(tier["path"], [0, 0])
+            moved[0] += tier["bytes_read"]
+            moved[1] += tier["bytes_written"]
         self.num_steps += 1
         self._step_tensor.fill_(float(self.num_steps))
         self.last_stats = {"d2h_s": t1 - t0 + waited[0], "update_s": t2 - t1 - waited[0],
                            "bytes_d2h": self._grads_host.numel() * self._grads_host.element_size(),
                            "bytes_h2d": self._params_host.numel() * self._params_host.element_size()}
         return None
+
+    def take_tier_bytes(self) -> dict[str, tuple[int, int]]:
+        """{tier path: (bytes read, bytes written)} since the last call, then start counting anew."""
+        taken = {path: (r, w) for path, (r, w) in self.tier_bytes.items()}
+        self.tier_bytes = {}
+        return taken
 
     def transfer_timings(self) -> dict:
         """The last step's copies, timed by CUDA events (waits for them): seconds the D2H copies

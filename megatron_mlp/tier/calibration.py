@@ -6,9 +6,10 @@ contention the node's ranks would cause without tokens), and one reader plus one
 (whether reads and writes share one bandwidth limit, as on most single disks, or not).
 
 Results are cached as JSON in a per-user file (``$XDG_CACHE_HOME/megatron-mlp/calibration.json``)
-keyed by host and realpath, and stamped with the device (``st_dev``, whole-disk key and file system
-type): an entry is used only while the path still lives on the same device, so a remount or a
-different file system re-measures; ``force`` re-measures always. The file is replaced atomically
+keyed by what was measured: host, device (whole-disk key) and mount point, stamped with ``st_dev``
+and the file system type. Every path on that mount uses the entry -- the directory measured, a
+per-job scratch directory made below it later, or a sibling -- while it is still the same device
+and file system; a remount or a different file system re-measures; ``force`` re-measures always. The file is replaced atomically
 (temp file, fsync, ``os.replace``, fsync of the directory) under a lock, so the ranks of a job that
 start together measure once. Declared bandwidths (``bw=``, ``read_bw=``, ``write_bw=``) override
 measured ones; a ``qos=`` cap bounds both.
@@ -57,6 +58,8 @@ class PathCalibration:
     mixed_bytes_per_s: float
     shared_rw_limit: bool
     measured_at: float
+    mount_point: str = ""
+    """Mount point of the measured path ('' in entries written before it was recorded)."""
 
     @property
     def per_proc_read_bytes_per_s(self) -> float:
@@ -98,8 +101,9 @@ def _host() -> str:
     return socket.gethostname()
 
 
-def _key(host: str, realpath: str) -> str:
-    return f"{host}:{realpath}"
+def _key(cal: "PathCalibration") -> str:
+    """An entry stands for what it measured: the device and mount of one host, not one directory."""
+    return f"{cal.host}:{cal.device_key}:{cal.mount_point or cal.realpath}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,20 +151,39 @@ def save_cache(cache_path: str, entries: dict) -> None:
     _fsync_dir(directory)
 
 
+def _same_mount(cal: PathCalibration, info) -> bool:
+    if cal.st_dev != info.st_dev or cal.fs_type != info.fs_type or cal.device_key != info.key:
+        return False  # remounted, replaced or a different file system: measure again
+    if cal.mount_point:
+        return cal.mount_point == info.mount_point
+    # An entry without its mount point: the same file system still counts for the measured
+    # directory and anything below it.
+    return info.realpath == cal.realpath or info.realpath.startswith(cal.realpath.rstrip("/") + "/")
+
+
+def _nearness(cal: PathCalibration, realpath: str) -> tuple:
+    """Sort key among entries of one mount: the measured directory itself, then its nearest
+    parent, then the most recent measurement."""
+    inside = realpath == cal.realpath or realpath.startswith(cal.realpath.rstrip("/") + "/")
+    return (realpath == cal.realpath, inside and len(cal.realpath), cal.measured_at)
+
+
 def lookup(entries: dict, path: str, host: str | None = None) -> PathCalibration | None:
-    """The cached calibration of ``path`` if it is still valid (same host, realpath, device, fs type)."""
+    """The cached calibration of the device and mount ``path`` lives on, if still valid (same
+    host, device, file system type and mount point); ``path`` itself need not have been measured."""
     host = host or _host()
     info = device_info(path)
-    entry = entries.get(_key(host, info.realpath))
-    if not isinstance(entry, dict):
-        return None
-    try:
-        cal = PathCalibration.from_dict(entry)
-    except TypeError:
-        return None
-    if cal.st_dev != info.st_dev or cal.fs_type != info.fs_type or cal.device_key != info.key:
-        return None  # remounted, replaced or a different file system: measure again
-    return cal
+    best = None
+    for entry in entries.values():
+        if not isinstance(entry, dict) or entry.get("host") != host:
+            continue
+        try:
+            cal = PathCalibration.from_dict(entry)
+        except TypeError:
+            continue
+        if _same_mount(cal, info) and (best is None or _nearness(cal, info.realpath) > _nearness(best, info.realpath)):
+            best = cal
+    return best
 
 
 class _CacheLock:
@@ -309,7 +332,7 @@ def measure_path(path: str, size_bytes: int = DEFAULT_SIZE_BYTES, procs: int = 4
     shared = classify_shared_rw(size_bytes, r_ref, w_ref, t_mixed)
     return PathCalibration(
         host=_host(), realpath=info.realpath, device_key=info.key, st_dev=info.st_dev, fs_type=info.fs_type,
-        o_direct=single["direct"], backend=single["backend"], size_bytes=size_bytes,
+        mount_point=info.mount_point, o_direct=single["direct"], backend=single["backend"], size_bytes=size_bytes,
         read_bytes_per_s=r1, write_bytes_per_s=w1, procs=procs,
         contended_read_bytes_per_s=rk, contended_write_bytes_per_s=wk,
         mixed_bytes_per_s=2 * size_bytes / t_mixed, shared_rw_limit=shared, measured_at=time.time())
@@ -337,7 +360,7 @@ def calibrate_paths(paths, cache_path: str | None = None, size_bytes: int = DEFA
                 out.append((cal, True))
                 continue
             cal = measure(path, size_bytes=size_bytes, procs=procs)
-            entries[_key(cal.host, cal.realpath)] = cal.to_dict()
+            entries[_key(cal)] = cal.to_dict()
             changed = True
             out.append((cal, False))
         if changed:
@@ -415,14 +438,16 @@ def calibrations_for(specs, mode: str = "auto", cache_path: str | None = None, s
         return [None] * len(specs), notes
     if mode != "auto":
         return load_calibration_file(mode, [s.path for s in specs]), notes
-    need = [s.path for s in specs if s.read_bytes_per_s is None or s.write_bytes_per_s is None
+    need = [i for i, s in enumerate(specs) if s.read_bytes_per_s is None or s.write_bytes_per_s is None
             or s.shared_rw_limit is None]
-    found: dict[str, PathCalibration] = {}
+    out: list = [None] * len(specs)
     if need:
         try:
-            for cal, _ in calibrate_paths(need, cache_path, size_bytes=size_bytes, procs=procs, measure=measure):
-                found[cal.realpath] = cal
+            measured = calibrate_paths([specs[i].path for i in need], cache_path, size_bytes=size_bytes,
+                                       procs=procs, measure=measure)
+            for i, (cal, _) in zip(need, measured):
+                out[i] = cal
         except (ImportError, OSError, RuntimeError) as e:
             notes.append(f"calibration unavailable ({type(e).__name__}: {e}); using the default assumption "
                          f"of {DEFAULT_BYTES_PER_S / 1e9:g} GB/s where no bandwidth is declared")
-    return [found.get(os.path.realpath(s.path)) for s in specs], notes
+    return out, notes

@@ -5,6 +5,10 @@ Example::
     megatron-mlp plan --paths "/var/tmp/mlp;/dev/shm/mlp" --num-params 7B --subgroup-params 100M \\
         --ranks-per-node 4 --host-cache-bytes 4GB
 
+    # 16 nodes: node NVMe, and a parallel file system whose 200 GB/s the job's nodes share
+    megatron-mlp plan --paths "/local/nvme:bw=6GB/s;/lustre/x:bw=200GB/s,shared=job" --num-params 70B \\
+        --ranks-per-node 8 --nodes 16 --no-probe
+
 Each rank holds ``num_params / data_parallel_size`` parameters of optimizer state (fp32 param, Adam
 m and v: 12 bytes each), split into subgroups of ``subgroup_params``; every step reads and writes
 each subgroup once, except what the host cache and, with the alternating order, the optimizer's
@@ -58,8 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "slice) whose optimizer state is sharded over --data-parallel-size ranks, e.g. 7B")
     p.add_argument("--subgroup-params", default="100M", help="parameters per subgroup (default 100M)")
     p.add_argument("--ranks-per-node", type=int, required=True, help="ranks of a node sharing its tiers")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="nodes of the job: a path with shared=job gives each node 1/nodes of its bandwidth and "
+                        "capacity (default 1)")
     p.add_argument("--data-parallel-size", type=int, default=None,
-                   help="ranks the optimizer state is sharded over (default: --ranks-per-node)")
+                   help="ranks the optimizer state is sharded over (default: --ranks-per-node x --nodes)")
     p.add_argument("--host-cache-bytes", default="0", help="host-cache budget per rank, e.g. 8GB (default 0)")
     p.add_argument("--cache-model", choices=("alternate", "resident"), default="alternate",
                    help="'alternate' (default, --mlp-offload-order alternate: the cached subgroups at both ends "
@@ -86,7 +93,9 @@ def make_plan(args) -> dict:
     subgroup_params = parse_count(args.subgroup_params, "--subgroup-params")
     if args.ranks_per_node < 1:
         raise ConfigError(f"--ranks-per-node: {args.ranks_per_node} must be >= 1")
-    dp = args.data_parallel_size or args.ranks_per_node
+    if args.nodes < 1:
+        raise ConfigError(f"--nodes: {args.nodes} must be >= 1")
+    dp = args.data_parallel_size or args.ranks_per_node * args.nodes
     if dp < 1:
         raise ConfigError(f"--data-parallel-size: {dp} must be >= 1")
     host_cache = parse_size(args.host_cache_bytes, "--host-cache-bytes", "size")
@@ -100,7 +109,7 @@ def make_plan(args) -> dict:
     sizes = [n * STATE_BYTES_PER_PARAM for n in params]
 
     resolved = resolve_tiers(specs, calibration=args.calibration, probe=not args.no_probe,
-                             cache_path=args.calibration_cache, flag="--paths")
+                             cache_path=args.calibration_cache, flag="--paths", num_nodes=args.nodes)
     warnings, notes, mode = list(resolved.warnings), list(resolved.notes), resolved.calibration
     tiers = list(resolved.tiers)
     placement = plan_placement(sizes, None, tiers, ranks_per_node=args.ranks_per_node, host_cache_bytes=host_cache,
@@ -110,11 +119,49 @@ def make_plan(args) -> dict:
                    "params_per_rank": shard, "subgroup_params": subgroup_params, "num_subgroups": len(sizes),
                    "state_bytes_per_rank": sum(sizes), "ranks_per_node": args.ranks_per_node,
                    "host_cache_bytes": host_cache, "cache_model": args.cache_model, "working_buffers": working,
-                   "calibration": mode},
+                   "calibration": mode, "nodes": args.nodes},
+        "shared_tiers": shared_tier_loads(specs, placement, args.nodes),
         "warnings": warnings,
         "notes": notes + list(placement.notes),
         "placement": placement,
     }
+
+
+def shared_tier_loads(specs, placement, num_nodes: int) -> list[dict]:
+    """For each ``shared=job`` tier: the job's bandwidth, each node's share, and the load all the
+    job's nodes put on it in one update (bytes per step, and that over the predicted update time)."""
+    out = []
+    ranks = placement.ranks_per_node
+    for j, spec in enumerate(specs):
+        if not spec.shared_by_job:
+            continue
+        tier = placement.tiers[j]
+        job_read = placement.tier_read_bytes[j] * ranks * num_nodes
+        job_write = placement.tier_write_bytes[j] * ranks * num_nodes
+        seconds = placement.total_seconds
+        out.append({
+            "tier": j, "path": spec.path, "nodes": num_nodes,
+            "node_read_bytes_per_s": tier.read_bytes_per_s, "node_write_bytes_per_s": tier.write_bytes_per_s,
+            "job_read_bytes_per_s": tier.read_bytes_per_s * num_nodes,
+            "job_write_bytes_per_s": tier.write_bytes_per_s * num_nodes,
+            "job_read_bytes_per_step": job_read, "job_write_bytes_per_step": job_write,
+            "job_stored_bytes": placement.tier_bytes[j] * ranks * num_nodes,
+            "load_bytes_per_s": (job_read + job_write) / seconds if seconds > 0 else 0.0,
+            "busy_fraction": placement.tier_seconds[j] / seconds if seconds > 0 else 0.0,
+        })
+    return out
+
+
+def _format_shared(load: dict) -> list[str]:
+    return [
+        f"shared tier {load['tier']} ({load['path']}): {load['nodes']} nodes share "
+        f"{load['job_read_bytes_per_s'] / 1e9:.2f} GB/s read, {load['job_write_bytes_per_s'] / 1e9:.2f} GB/s write; "
+        f"each node's share {load['node_read_bytes_per_s'] / 1e9:.2f} / {load['node_write_bytes_per_s'] / 1e9:.2f} GB/s",
+        f"  job-wide per step: {human_bytes(load['job_read_bytes_per_step'])} read + "
+        f"{human_bytes(load['job_write_bytes_per_step'])} written ({human_bytes(load['job_stored_bytes'])} stored): "
+        f"{load['load_bytes_per_s'] / 1e9:.2f} GB/s over the predicted update, busy "
+        f"{100 * load['busy_fraction']:.0f}% of it",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {w}")
     print()
     print(placement.format_table())
+    if cfg["nodes"] > 1:
+        print(f"nodes: {cfg['nodes']} x {cfg['ranks_per_node']} ranks; state of the whole job: "
+              f"{human_bytes(cfg['state_bytes_per_rank'] * cfg['ranks_per_node'] * cfg['nodes'])}")
+    for load in plan["shared_tiers"]:
+        for line in _format_shared(load):
+            print(line)
     for n in sorted(set(plan["notes"]) - set(placement.notes), key=plan["notes"].index):
         print(f"note: {n}")
     return 0

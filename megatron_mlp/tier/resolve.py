@@ -9,8 +9,19 @@ from dataclasses import dataclass
 
 from megatron_mlp.tier.calibration import DEFAULT_BYTES_PER_S, calibrations_for, resolve_bandwidth
 from megatron_mlp.tier.placement import PlacementTier
+from megatron_mlp.tier.shared import node_share
 from megatron_mlp.tier.spec import PATHS_FLAG, TierSpec
 from megatron_mlp.tier.validation import PathCheck, validate_tier_paths
+
+
+def default_bandwidth_warning(index: int, path: str, calibration: str) -> str:
+    """The warning for a tier whose bandwidth is neither declared nor measured (the placement, and
+    so the split of the state over the tiers, then rests on an assumption)."""
+    why = {"off": "calibration is off", "auto": "it could not be measured"}.get(
+        calibration, f"the calibration file {calibration} has no entry for its device and mount")
+    return (f"WARNING: tier {index} ({path}): no declared or measured bandwidth ({why}); assuming "
+            f"{DEFAULT_BYTES_PER_S / 1e9:g} GB/s. Declare bw= in {PATHS_FLAG} or calibrate "
+            "(megatron-mlp calibrate)")
 
 
 @dataclass(frozen=True)
@@ -24,7 +35,7 @@ class ResolvedTiers:
 
 def resolve_tiers(specs: tuple[TierSpec, ...], calibration: str = "auto", probe: bool = True,
                   cache_path: str | None = None, ranks_sharing: int | None = None,
-                  flag: str = PATHS_FLAG) -> ResolvedTiers:
+                  flag: str = PATHS_FLAG, num_nodes: int = 1) -> ResolvedTiers:
     """Validate (when ``probe``), calibrate and turn ``specs`` into :class:`PlacementTier` objects.
 
     Args:
@@ -32,6 +43,8 @@ def resolve_tiers(specs: tuple[TierSpec, ...], calibration: str = "auto", probe:
         probe: check the paths here (create, O_DIRECT, free space). Without it nothing is touched and
             'auto' calibration becomes 'off' (the paths may exist only elsewhere).
         ranks_sharing: ranks of the node using each tier (None: the plan's ranks_per_node).
+        num_nodes: nodes of the job; a ``shared=job`` tier enters with one node's share of its
+            bandwidth and capacity (the same :func:`node_share` the optimizer applies).
 
     Raises:
         ConfigError: a path fails validation, or the calibration file is unusable.
@@ -58,8 +71,13 @@ def resolve_tiers(specs: tuple[TierSpec, ...], calibration: str = "auto", probe:
         source = bw.source
         if "default" in source:
             source += f" (assumed {DEFAULT_BYTES_PER_S / 1e9:g} GB/s)"
-        tiers.append(PlacementTier(path=spec.path, read_bytes_per_s=bw.read_bytes_per_s,
-                                   write_bytes_per_s=bw.write_bytes_per_s, capacity_bytes=cap,
+            warnings.append(default_bandwidth_warning(len(tiers), spec.path, mode))
+        share = node_share(TierSpec(spec.path, bw.read_bytes_per_s, bw.write_bytes_per_s, cap,
+                                    shared_by_job=spec.shared_by_job), num_nodes)
+        if share.shared_by_job and num_nodes > 1:
+            source += f", 1/{num_nodes} per node"
+        tiers.append(PlacementTier(path=spec.path, read_bytes_per_s=share.read_bytes_per_s,
+                                   write_bytes_per_s=share.write_bytes_per_s, capacity_bytes=share.capacity_bytes,
                                    shared_rw_limit=bw.shared_rw_limit, ranks_sharing=ranks_sharing,
                                    device=dev, bandwidth_source=source))
         if bw.shared_rw_source == "default":

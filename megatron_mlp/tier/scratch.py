@@ -97,16 +97,16 @@ class ScratchDir:
         return full
 
     def remove(self) -> None:
-        """Delete the directory and its files, then drop the lock. Idempotent."""
+        """Delete the directory and its files, then drop the lock. Idempotent, and re-entrant:
+        a SIGTERM handler that interrupts a removal in progress (a rank ending on an error when
+        its launcher terminates it) finishes it rather than leaving a half-removed directory."""
         if self.removed:
             return
-        self.removed = True
-        _unregister(self)
         try:
-            shutil.rmtree(self.path)   # fd-based on Linux: symlinks inside are unlinked, not followed
-        except FileNotFoundError:
-            pass
+            _remove_owner_last(self.path)
         finally:
+            self.removed = True
+            _unregister(self)   # only now: until then the SIGTERM cleanup still sees this directory
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
                 self._lock_fd = -1
@@ -279,6 +279,31 @@ def _dir_bytes(path: str) -> int:
 _live: dict[int, ScratchDir] = {}
 _live_lock = threading.Lock()
 _installed = False
+
+
+def _remove_owner_last(path: str) -> None:
+    """Remove a scratch directory with owner.json last: a removal cut short (the process killed
+    half-way) leaves a directory whose owner can still be proven gone by the next start, never
+    an ownerless one that only a person may remove."""
+    try:
+        entries = list(os.scandir(path))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        if entry.name == OWNER_FILE:
+            continue
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)   # fd-based on Linux: symlinks inside are unlinked, not followed
+            else:
+                os.unlink(entry.path)
+        except FileNotFoundError:
+            pass
+    for step in (lambda: os.unlink(os.path.join(path, OWNER_FILE)), lambda: os.rmdir(path)):
+        try:
+            step()
+        except FileNotFoundError:
+            pass
 
 
 def _register(s: ScratchDir) -> None:

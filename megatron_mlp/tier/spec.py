@@ -26,6 +26,10 @@ class TierSpec:
     shared_rw_limit: bool | None = None
     """Reads and writes share one bandwidth limit (True), have separate limits (False), or None =
     take it from calibration (or assume shared, the conservative choice). Option ``rw=shared|separate``."""
+    shared_by_job: bool = False
+    """Option ``shared=job``: every node of the job uses this path (a parallel file system), so its
+    bandwidth (``bw=``, or measured) and ``cap=`` are the job's total and each node gets its share
+    (:func:`megatron_mlp.tier.shared.node_share`). ``shared=node`` (default): the node's own."""
 
 
 def shares_rw_limit(spec: TierSpec) -> bool:
@@ -61,7 +65,9 @@ def parse_rate(text: str, flag: str) -> float:
 def parse_tier_paths(text: str, flag: str = PATHS_FLAG) -> tuple[TierSpec, ...]:
     """Parse the ';'-separated tier list. Options follow a ':' as comma-separated key=value:
     ``bw`` (read and write), ``read_bw``, ``write_bw``, ``cap``, ``qos``, ``rw`` (``shared`` when
-    reads and writes share one bandwidth limit, ``separate`` when not). ``$VARS`` expand."""
+    reads and writes share one bandwidth limit, ``separate`` when not), ``shared`` (``job`` when all
+    the job's nodes share the path and its figures are the job's total, ``node`` when not).
+    ``$VARS`` expand."""
     if text is None or not str(text).strip():
         raise ConfigError(f"{flag}: empty; give at least one storage path, e.g. '/local/nvme;/lustre/scratch'")
     specs = []
@@ -94,9 +100,15 @@ def parse_tier_paths(text: str, flag: str = PATHS_FLAG) -> tuple[TierSpec, ...]:
                 if mode not in ("shared", "separate"):
                     raise ConfigError(f"{flag}: rw={value!r} for {path} must be 'shared' or 'separate'")
                 kw["shared_rw_limit"] = mode == "shared"
+            elif key == "shared":
+                scope = value.strip().lower()
+                if scope not in ("job", "node"):
+                    raise ConfigError(f"{flag}: shared={value!r} for {path} must be 'job' (every node of the job "
+                                      "uses it, its bandwidth is their total) or 'node'")
+                kw["shared_by_job"] = scope == "job"
             else:
                 raise ConfigError(
-                    f"{flag}: unknown option {key!r} for {path} (known: bw, read_bw, write_bw, cap, qos, rw)")
+                    f"{flag}: unknown option {key!r} for {path} (known: bw, read_bw, write_bw, cap, qos, rw, shared)")
         specs.append(TierSpec(path=path, **kw))
     if not specs:
         raise ConfigError(f"{flag}: {text!r} names no path")

@@ -200,13 +200,17 @@ def _fake_measure(read, write, shared=True):
                                backend="threads", size_bytes=size_bytes, read_bytes_per_s=read,
                                write_bytes_per_s=write, procs=procs, contended_read_bytes_per_s=read,
                                contended_write_bytes_per_s=write, mixed_bytes_per_s=read, shared_rw_limit=shared,
-                               measured_at=0.0)
+                               measured_at=0.0, mount_point=info.mount_point)
     return measure, calls
 
 
-def test_calibration_off_keeps_declared_and_missing_bandwidths():
+def test_calibration_off_keeps_bandwidths_and_warns_naming_each_tier_left_to_the_default():
     cfg = _config("--mlp-offload", "--mlp-offload-paths", "/a:bw=2GB/s;/b", "--mlp-offload-calibration", "off")
-    assert arguments.calibrated_config(cfg) == (cfg, [])
+    out, notes = arguments.calibrated_config(cfg)
+    assert out == cfg
+    warnings = [n for n in notes if n.startswith("WARNING")]
+    assert len(warnings) == 1 and warnings[0].startswith("WARNING: tier 1 (/b)") and "assuming 1 GB/s" in warnings[0]
+    assert "tier 0 (/a): read 2.00 GB/s, write 2.00 GB/s (declared)" in notes
 
 
 def test_calibration_auto_fills_measured_bandwidth_and_keeps_declared_when_both_exist(tmp_path):
@@ -235,16 +239,39 @@ def test_calibration_file_of_a_parent_directory_serves_a_per_job_directory_below
     job_dir.mkdir()
     cfg = _config("--mlp-offload", "--mlp-offload-paths", str(job_dir), "--mlp-offload-calibration", str(cache))
     out, notes = arguments.calibrated_config(cfg)
-    assert (out.tiers[0].read_bytes_per_s, out.tiers[0].write_bytes_per_s) == (5e9, 4e9) and notes == []
+    assert (out.tiers[0].read_bytes_per_s, out.tiers[0].write_bytes_per_s) == (5e9, 4e9)
+    assert notes == [f"tier 0 ({job_dir}): read 5.00 GB/s, write 4.00 GB/s (measured)"]
 
 
-def test_calibration_file_without_the_path_leaves_it_to_defaults_with_a_note(tmp_path):
+def test_calibration_file_without_the_device_leaves_the_tier_to_the_default_with_a_warning(tmp_path):
     base, other = tmp_path / "nvme", tmp_path / "other"
     base.mkdir(), other.mkdir()
     cache = tmp_path / "node0.json"
     measure, _ = _fake_measure(5e9, 4e9)
-    from megatron_mlp.tier.calibration import calibrate_paths
+    from megatron_mlp.tier.calibration import calibrate_paths, load_cache, save_cache
     calibrate_paths([str(base)], str(cache), measure=measure)
+    entries = {k: dict(e, st_dev=e["st_dev"] + 1) for k, e in load_cache(str(cache)).items()}
+    save_cache(str(cache), entries)   # measured on a device this node no longer has
     cfg = _config("--mlp-offload", "--mlp-offload-paths", str(other), "--mlp-offload-calibration", str(cache))
     out, notes = arguments.calibrated_config(cfg)
-    assert out.tiers[0].read_bytes_per_s is None and str(other) in notes[0]
+    assert out.tiers[0].read_bytes_per_s is None
+    assert notes[0].startswith(f"WARNING: tier 0 ({other})") and "no entry for its device and mount" in notes[0]
+
+
+def test_calibration_of_a_mount_serves_every_directory_on_it_when_jobs_use_new_scratch_dirs(tmp_path):
+    # What the Slurm script does: calibrate the base directories, then train in per-job
+    # directories made afterwards (below the base, or beside it on the same mount).
+    base = tmp_path / "nvme"
+    base.mkdir()
+    cache = tmp_path / "node0.json"
+    measure, calls = _fake_measure(5e9, 4e9)
+    from megatron_mlp.tier.calibration import calibrate_paths
+    calibrate_paths([str(base)], str(cache), measure=measure)
+    for job_dir in (base / "megatron-mlp-4243", tmp_path / "elsewhere-on-the-mount"):
+        job_dir.mkdir()
+        for mode in (str(cache), "auto"):
+            cfg = _config("--mlp-offload", "--mlp-offload-paths", str(job_dir), "--mlp-offload-calibration", mode)
+            out, notes = arguments.calibrated_config(cfg, cache_path=str(cache), measure=measure)
+            assert (out.tiers[0].read_bytes_per_s, out.tiers[0].write_bytes_per_s) == (5e9, 4e9), (job_dir, mode)
+            assert not [n for n in notes if n.startswith("WARNING")] and "(measured)" in notes[0]
+    assert calls == [str(base)], "measured once, for the mount"

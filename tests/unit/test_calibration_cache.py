@@ -29,7 +29,8 @@ class FakeMeasure:
                                fs_type=info.fs_type, o_direct=True, backend="threads", size_bytes=size_bytes,
                                read_bytes_per_s=self.read, write_bytes_per_s=self.write, procs=procs,
                                contended_read_bytes_per_s=self.read * 0.9, contended_write_bytes_per_s=self.write,
-                               mixed_bytes_per_s=1e9, shared_rw_limit=self.shared, measured_at=time.time())
+                               mixed_bytes_per_s=1e9, shared_rw_limit=self.shared, measured_at=time.time(),
+                               mount_point=info.mount_point)
 
 
 def test_second_call_uses_cache_when_device_unchanged(tmp_path):
@@ -158,3 +159,15 @@ def test_shared_limit_detected_when_mixed_time_is_the_sum_of_read_and_write_time
     assert calib.classify_shared_rw(10**9, 2e9, 2e9, 0.55) is False
     assert calib.classify_shared_rw(10**9, 2e9, 2e9, 0.72) is True   # geometric midpoint is 0.707 s
     assert calib.classify_shared_rw(10**9, 2e9, 2e9, 0.69) is False
+
+
+def test_entry_serves_any_path_on_the_measured_mount_and_is_keyed_by_device_and_mount(tmp_path):
+    cache = str(tmp_path / "c.json")
+    (tmp_path / "base").mkdir()
+    calibrate_paths([str(tmp_path / "base")], cache, measure=FakeMeasure())
+    entries = load_cache(cache)
+    info = device_info(str(tmp_path))
+    assert list(entries) == [f"{calib._host()}:{info.key}:{info.mount_point}"]
+    for path in (tmp_path / "base" / "megatron-mlp-77", tmp_path / "sibling", tmp_path / "not-made-yet"):
+        cal = lookup(entries, str(path))
+        assert cal is not None and cal.read_bytes_per_s == 2e9, path

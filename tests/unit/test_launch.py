@@ -215,3 +215,62 @@ def test_cpu_switch_makes_cuda_calls_of_megatron_lm_run_on_cpu():
     proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "CPU-OK" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("args,preset,expected", [
+    (["--tensor-model-parallel-size", "2"], None, "1"),
+    (["--tensor-model-parallel-size=4"], None, "1"),
+    (["--tensor-model-parallel-size", "2"], "8", "8"),      # the user's own value is kept
+    (["--tensor-model-parallel-size", "1"], None, None),
+    ([], None, None),
+])
+def test_launcher_sets_one_cuda_connection_before_the_script_when_tensor_parallel(checkout, args, preset,
+                                                                                    expected):
+    # The fake script reports what the environment held when it ran (before any CUDA start).
+    (checkout / "pretrain_gpt.py").write_text(
+        "import json, os\nimport megatron.training\n"
+        "json.dump({'cuda_connections': os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')}, "
+        "open(os.environ['FAKE_OUT'], 'w'))\n")
+    env = {} if preset is None else {"CUDA_DEVICE_MAX_CONNECTIONS": preset}
+    base_env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    out = checkout.parent / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "megatron_mlp.launch", str(checkout / "pretrain_gpt.py"), *args],
+                          env=dict(base_env, PYTHONPATH=str(REPO), FAKE_OUT=str(out), **env),
+                          cwd=checkout.parent, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["cuda_connections"] == expected
+
+
+def test_training_log_hook_prints_bytes_each_tier_moved_once_per_log_interval(capsys):
+    class Inner:
+        def __init__(self):
+            self.counts = {"/nvme/x": (3_000_000, 2_000_000), "/pfs/y": (1_000_000, 0)}
+
+        def take_tier_bytes(self):
+            taken, self.counts = self.counts, {}
+            return taken
+
+    class Dist:   # Megatron's DistributedOptimizer holds the inner one as .optimizer
+        optimizer = Inner()
+
+    class Args:
+        mlp_offload, log_interval, curr_iteration = True, 5, 3
+
+    class Timers:
+        _timers = {}
+
+    opt = Dist()
+    hooks._built.add(opt)
+    try:
+        wrapped = hooks.wrap_training_log(lambda *a, **k: "ok", lambda: Args, lambda: Timers())
+        wrapped()
+        assert "megatron_mlp: last" not in capsys.readouterr().out   # not a log iteration
+        Args.curr_iteration = 5
+        wrapped()
+        assert capsys.readouterr().out.strip() == ("megatron_mlp: last 5 iterations, this rank: /nvme/x read 3.00 MB, "
+                                                   "wrote 2.00 MB; /pfs/y read 1.00 MB, wrote 0 B")
+        Args.curr_iteration = 10
+        wrapped()
+        assert "megatron_mlp: last" not in capsys.readouterr().out   # counted anew: nothing moved since
+    finally:
+        hooks._built.discard(opt)

@@ -209,3 +209,42 @@ def test_without_flock_support_the_scratch_starts_and_a_dead_owner_is_still_reco
     scan = clean_stale_scratch(disk_dir)
     assert [d for d, _ in scan.removed] == [s.path] and "is gone" in scan.removed[0][1]
     s.remove()   # already gone: idempotent, closes the lock file
+
+
+def test_removal_deletes_owner_file_last_so_a_kill_half_way_leaves_a_provably_stale_dir(tmp_path, monkeypatch):
+    s = create_scratch_dir(str(tmp_path), "j-r0-p1", job_id="j", rank=0)
+    s.file("state.bin")
+    real_unlink, order = os.unlink, []
+
+    def dying_unlink(path, *a, **k):
+        order.append(os.path.basename(path))
+        if len(order) == 2:
+            raise SystemExit("killed half-way")   # what SIGKILL leaves behind, without the kill
+        return real_unlink(path, *a, **k)
+
+    monkeypatch.setattr(os, "unlink", dying_unlink)
+    with pytest.raises(SystemExit):
+        s.remove()
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    assert OWNER_FILE not in order and os.path.isfile(os.path.join(s.path, OWNER_FILE))
+    owner = json.load(open(os.path.join(s.path, OWNER_FILE)))
+    with open(os.path.join(s.path, OWNER_FILE), "w") as f:   # its owner is gone now
+        json.dump(dict(owner, pid=2 ** 22 + 12345), f)
+    scan = clean_stale_scratch(str(tmp_path))
+    assert [d for d, _ in scan.removed] == [s.path] and not os.path.exists(s.path)
+
+
+def test_sigterm_cleanup_finishes_a_removal_it_interrupts_when_the_rank_was_already_exiting(tmp_path, monkeypatch):
+    s = create_scratch_dir(str(tmp_path), "j-r0-p1", job_id="j", rank=0)
+    s.file("state.bin")
+    real_unlink, interrupted = os.unlink, []
+
+    def unlink(path, *a, **k):
+        if not interrupted:
+            interrupted.append(path)
+            s.remove()   # the SIGTERM handler, run in the middle of the normal exit's removal
+        return real_unlink(path, *a, **k)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    s.remove()
+    assert interrupted and not os.path.exists(s.path)

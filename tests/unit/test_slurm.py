@@ -107,6 +107,50 @@ def test_cli_reports_bad_option_with_exit_status_2(capsys):
     assert "--nodes" in capsys.readouterr().err
 
 
+
+def test_help_shows_no_misleading_default_for_switches_and_explains_every_option(capsys):
+    with pytest.raises(SystemExit):
+        slurm.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: True)" not in out and "(default: False)" not in out
+    assert "by default each node measures them once" in out
+    for action in slurm._parser()._actions:
+        assert action.help, f"{action.option_strings} has no help"
+    assert "--nodes NODES nodes of the job" in out and "--time TIME time limit" in out
+
+
+@pytest.mark.parametrize("render", [render_job_script, slurm.render_pbs_script])
+def test_megatron_flags_are_given_once_when_model_args_already_carry_them(render):
+    job = SlurmJob(megatron_path="/m", nvme_path="/n",
+                   model_args="--use-distributed-optimizer --num-layers 2 --exit-signal-handler")
+    train = next(line for line in render(job).splitlines() if line.startswith("TRAIN_ARGS=("))
+    assert train.count("--use-distributed-optimizer") == 1 and train.count("--exit-signal-handler") == 1
+    plain = next(line for line in render(SlurmJob(megatron_path="/m", nvme_path="/n")).splitlines()
+                 if line.startswith("TRAIN_ARGS=("))
+    assert "--use-distributed-optimizer" in plain and "--exit-signal-handler" in plain
+
+
+@pytest.mark.parametrize("render", [render_job_script, slurm.render_pbs_script])
+def test_scripts_export_one_cuda_connection_when_megatron_may_use_tensor_parallelism(render, tmp_path):
+    text = render(SlurmJob(megatron_path="/m", nvme_path="/n"))
+    script = tmp_path / "job.sh"
+    # Only the exports: what a rank inherits, with and without a value set by the user.
+    script.write_text("\n".join(line for line in text.splitlines() if "CUDA_DEVICE_MAX_CONNECTIONS" in line)
+                      + "\necho \"$CUDA_DEVICE_MAX_CONNECTIONS\"\n")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    assert subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True).stdout == "1\n"
+    env["CUDA_DEVICE_MAX_CONNECTIONS"] = "4"
+    assert subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True).stdout == "4\n"
+
+
+def test_declared_pfs_bandwidth_is_the_jobs_and_shared_by_its_nodes_when_rendered():
+    from megatron_mlp.tier.shared import node_share
+    from megatron_mlp.tier.spec import parse_tier_paths
+    job = SlurmJob(megatron_path="/m", nvme_path="/n", pfs_path="/p", nodes=4, nvme_bw="6GB/s", pfs_bw="100GB/s")
+    spec = slurm._paths_spec(job)
+    nvme, pfs = parse_tier_paths(spec.replace("$MLP_NVME_DIR", "/n/j").replace("$MLP_PFS_DIR", "/p/j"))
+    assert node_share(nvme, 4).read_bytes_per_s == 6e9 and node_share(pfs, 4).read_bytes_per_s == 25e9
+
 # ---------------------------------------------------------------- running with mocked Slurm
 
 FAKE_SRUN = r'''
