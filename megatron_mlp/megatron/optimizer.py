@@ -180,10 +180,11 @@ class _OffloadInner:
         if self._h2d_stream is not None:
             torch.cuda.current_stream().wait_stream(self._h2d_stream)
         t2 = time.perf_counter()
-        for tier in getattr(self.offload, "last_step_stats", {}).get("tiers", []):
-            moved = self.tier_bytes.setdefault(tier["path"], [0, 0])
-            moved[0] += tier["bytes_read"]
-            moved[1] += tier["bytes_written"]
+        for i, tier in enumerate((getattr(self.offload, "last_step_stats", None) or {}).get("tiers", [])):
+            # An offload optimizer other than OffloadAdam (the demo's baseline) may name fewer fields.
+            moved = self.tier_bytes.setdefault(tier.get("path", f"tier{i}"), [0, 0])
+            moved[0] += tier.get("bytes_read", 0)
+            moved[1] += tier.get("bytes_written", 0)
         self.num_steps += 1
         self._step_tensor.fill_(float(self.num_steps))
         self.last_stats = {"d2h_s": t1 - t0 + waited[0], "update_s": t2 - t1 - waited[0],
