@@ -47,7 +47,7 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
-from megatron_mlp.errors import ConfigError, IntegrityError, TierFailure, TierIOError
+from megatron_mlp.errors import ConfigError, IntegrityError, PartialStepError, TierFailure, TierIOError
 from megatron_mlp.optim.failover import FailoverStats, take_out_of_service
 from megatron_mlp.optim.host_pool import HostBufferPool
 from megatron_mlp.optim.placement import assign_subgroups, placement_tiers, warm_subgroups
@@ -113,6 +113,7 @@ class OffloadAdam:
         self._pinned: set[int] = set()      # subgroups kept in host memory for good (failover)
         self._cache_keep: set[int] = set()  # the cached subgroups of the last step
         self._halted: TierFailure | None = None
+        self._partial_step: str | None = None   # why the last step stopped part-way, until a restore
         self._retiring: list = []           # threads closing failed tiers
         _check_tiers_and_sizes(config, self.plan)   # nothing starts half-configured
         self.stale_scratch = _clean_stale_scratch(config.tiers)
@@ -191,10 +192,17 @@ class OffloadAdam:
                 subgroup's state is still readable unless ``exc.unreadable`` says otherwise. A
                 failover that succeeds only warns and shows in ``last_step_stats["failover"]``.
             IntegrityError: a region read back does not match its checksum.
+            PartialStepError: an earlier step stopped part-way (any of the errors above but a
+                TierFailure, or an interrupt) and no ``load_state_dict`` has restored the state since.
         """
         self._check_open()
         if self._halted is not None:
             raise self._halted
+        if self._partial_step is not None:
+            raise PartialStepError(
+                f"OffloadAdam: a step stopped part-way ({self._partial_step}); some subgroups were updated and "
+                "others not, so stepping again would apply that step twice to some. Restore the state from the "
+                "last checkpoint (load_state_dict, or Megatron's --load) before the next step")
         self._check_grads(grads)
         if params_out is not None:
             if params_out.numel() != self.numel or params_out.dtype not in GRAD_DTYPES \
@@ -224,8 +232,13 @@ class OffloadAdam:
         held_by_working, self._held_by_working = (
             self._held_by_working, keep - kept_in_cache(unpinned, max(0, self.cache_slots - len(self._pinned))))
         hyper = [self._hyper(g) for g in range(len(self.param_groups))]
-        errors = self._run_pipeline(order, keep, held_by_working, grads, params_out, hyper, inv_loss_scale,
-                                    clip_coef, on_subgroup_done, stats)
+        try:
+            errors = self._run_pipeline(order, keep, held_by_working, grads, params_out, hyper, inv_loss_scale,
+                                        clip_coef, on_subgroup_done, stats)
+        except BaseException as e:
+            # Whatever stopped it (IntegrityError, a failed read, Ctrl-C), the step is partly applied.
+            self._partial_step = f"step {self.state[0]['step'] if self.state else '?'}: {type(e).__name__}: {e}"
+            raise
         stats.step_s = time.perf_counter() - t_step
         stats.peak_host_bytes = self.pool.peak_bytes
         self.last_step_stats = stats.as_dict()
@@ -324,20 +337,27 @@ class OffloadAdam:
         if state_dict["numel"] != self.numel or ranges != list(self.plan.group_ranges):
             raise ValueError(f"load_state_dict: saved shard has {state_dict['numel']} elements in groups "
                              f"{ranges}, this optimizer has {self.numel} in {list(self.plan.group_ranges)}")
-        covered = 0
-        for chunk in sorted(state_dict["state"], key=_chunk_start):
-            data = chunk.materialize() if isinstance(chunk, LazyStateChunk) else chunk
-            if data["start"] != covered:
-                raise ValueError(f"load_state_dict: state chunks leave a gap at element {covered}")
-            self.write_range(data["start"], data["end"], data["param"], data["exp_avg"], data["exp_avg_sq"])
-            covered = data["end"]
-        if covered != self.numel:
-            raise ValueError(f"load_state_dict: state chunks cover [0, {covered}) of [0, {self.numel})")
+        covered, writing = 0, False
+        try:
+            for chunk in sorted(state_dict["state"], key=_chunk_start):
+                data = chunk.materialize() if isinstance(chunk, LazyStateChunk) else chunk
+                if data["start"] != covered:
+                    raise ValueError(f"load_state_dict: state chunks leave a gap at element {covered}")
+                writing = True
+                self.write_range(data["start"], data["end"], data["param"], data["exp_avg"], data["exp_avg_sq"])
+                covered = data["end"]
+            if covered != self.numel:
+                raise ValueError(f"load_state_dict: state chunks cover [0, {covered}) of [0, {self.numel})")
+        except BaseException as e:
+            if writing:   # part of the state is the new one, part the old: no step until a load succeeds
+                self._partial_step = f"load_state_dict stopped at element {covered}: {type(e).__name__}: {e}"
+            raise
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update(copy.deepcopy({k: v for k, v in saved.items() if k != "params"}))
         for g, step in enumerate(state_dict["steps"]):
             self.state[g]["step"] = int(step)
         self._iteration = int(state_dict.get("iteration", 0))
+        self._partial_step = None   # every element was just overwritten: the state is whole again
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients belong to the caller's flat buffer; nothing to do (torch optimizer protocol)."""
