@@ -104,8 +104,10 @@ class OffloadAdam:
         self.last_step_stats: dict = {}
         self.flush_errors: list[str] = []
 
-        self.tier_of = assign_subgroups(self.plan, config, ranks_per_node)
-        self._placement_tiers = placement_tiers(config, ranks_per_node)   # bandwidths, for the schedule
+        # Paths checked (and created) first: the placement needs each one's free space.
+        free = _check_tiers_and_sizes(config, self.plan)   # nothing starts half-configured
+        self.tier_of = assign_subgroups(self.plan, config, ranks_per_node, free)
+        self._placement_tiers = placement_tiers(config, ranks_per_node, free)   # bandwidths, for the schedule
         engine_factory = engine_factory or _default_engine_factory(config)
         token_factory = token_factory or _default_token_factory(config)
         job = str(config.extra.get("job_id", "job"))
@@ -115,7 +117,6 @@ class OffloadAdam:
         self._halted: TierFailure | None = None
         self._partial_step: str | None = None   # why the last step stopped part-way, until a restore
         self._retiring: list = []           # threads closing failed tiers
-        _check_tiers_and_sizes(config, self.plan)   # nothing starts half-configured
         self.stale_scratch = _clean_stale_scratch(config.tiers)
         from megatron_mlp.tier.scratch import install_sigterm_cleanup
         install_sigterm_cleanup()   # SIGTERM with no handler of its own removes the scratch; chains otherwise
@@ -867,11 +868,13 @@ def _close_stores(stores) -> None:
     stores.clear()
 
 
-def _check_tiers_and_sizes(config, plan) -> None:
+def _check_tiers_and_sizes(config, plan) -> list[int]:
     """Paths usable (exist or creatable, writable directories, none listed twice; same device twice
-    is a warning) and a subgroup size that makes sense for this shard; errors name flag and value."""
+    is a warning) and a subgroup size that makes sense for this shard; errors name flag and value.
+    Returns the free bytes of each path."""
     from megatron_mlp.tier.validation import validate_tier_paths
-    for warning in validate_tier_paths(config.tiers).warnings:
+    checked = validate_tier_paths(config.tiers)
+    for warning in checked.warnings:
         logger.warning("%s", warning)
     n, size = plan.numel, config.subgroup_params
     if n and size < 1024:
@@ -880,6 +883,7 @@ def _check_tiers_and_sizes(config, plan) -> None:
     elif n >= (1 << 24) and size >= n:
         logger.warning("--mlp-offload-subgroup-size: %d elements holds this rank's whole shard (%d elements) in "
                        "one subgroup: no overlap of I/O and compute; use about a tenth of it", size, n)
+    return [c.free_bytes for c in checked.checks]
 
 
 def _clean_stale_scratch(tiers) -> dict:

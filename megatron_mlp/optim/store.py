@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from megatron_mlp.errors import IntegrityError, TierCapacityError, TierIOError
 from megatron_mlp.optim.stats import TierStepStats
 from megatron_mlp.optim.subgroups import Subgroup
+from megatron_mlp.tier.placement import SLOTS_PER_SUBGROUP, usable_capacity_bytes
 from megatron_mlp.tier.spec import shares_rw_limit
 from megatron_mlp.tier.scratch import SCRATCH_PREFIX, create_scratch_dir, reserve_space  # noqa: F401
 
@@ -98,14 +99,12 @@ class TierStore:
             TierIOError: the path cannot be used (names the path and errno).
             TierCapacityError: the tier lacks the space for two slots of its subgroups.
         """
-        need = 2 * sum(sg.region_bytes for sg in subgroups)
+        need = SLOTS_PER_SUBGROUP * sum(sg.region_bytes for sg in subgroups)
         try:
             free = os.statvfs(spec.path)
         except OSError as e:
             raise TierIOError(e.errno, "--mlp-offload-paths: cannot use tier path", spec.path) from e
-        free_bytes = free.f_bavail * free.f_frsize
-        if spec.capacity_bytes is not None:
-            free_bytes = min(free_bytes, spec.capacity_bytes)
+        free_bytes = usable_capacity_bytes(spec.capacity_bytes, free.f_bavail * free.f_frsize)   # as placed
         if need > free_bytes:
             raise TierCapacityError(
                 f"--mlp-offload-paths: tier {spec.path} needs {need} bytes for {len(subgroups)} subgroups "

@@ -39,8 +39,8 @@ class PathCheck:
     @property
     def usable_bytes(self) -> int:
         """Bytes the node may use here: the declared cap, bounded by the free space."""
-        cap = self.spec.capacity_bytes
-        return self.free_bytes if cap is None else min(cap, self.free_bytes)
+        from megatron_mlp.tier.placement import usable_capacity_bytes
+        return usable_capacity_bytes(self.spec.capacity_bytes, self.free_bytes)
 
 
 @dataclass(frozen=True)
