@@ -249,8 +249,9 @@ class OffloadAdam:
         for store in self.stores:
             # A scratch file deleted from its path (a tmp cleaner) is still reachable through the open
             # descriptors: this step ran normally; move its subgroups off before anything is closed.
-            if not store.failed and id(store) not in failing and store.vanished():
-                failing[id(store)] = (store, f"its scratch file {store.file_path} vanished")
+            reason = None if store.failed or id(store) in failing else store.unreachable_reason()
+            if reason is not None:
+                failing[id(store)] = (store, reason)
         if failing:
             try:
                 take_out_of_service(self, list(failing.values()))

@@ -424,11 +424,20 @@ class TierStore:
         """Whether the scratch file is gone from its path (deleted, or the directory replaced).
 
         The open descriptors still reach the data, so the state can be moved elsewhere."""
+        return self.unreachable_reason() is not None
+
+    def unreachable_reason(self) -> str | None:
+        """Why the scratch file can no longer be reached by its path, naming the errno (deleted:
+        ENOENT; its directory made unreadable: EACCES; ...), or None while it is there."""
         try:
             st = os.stat(self.file_path)
-        except OSError:
-            return True
-        return self._inode is not None and (st.st_dev, st.st_ino) != self._inode
+        except OSError as e:
+            what = "vanished" if e.errno == errno.ENOENT else "cannot be reached by its path"
+            return (f"its scratch file {self.file_path} {what}: "
+                    f"{os.strerror(e.errno or 0)} [{errno.errorcode.get(e.errno, e.errno)}]")
+        if self._inode is not None and (st.st_dev, st.st_ino) != self._inode:
+            return f"its scratch file {self.file_path} was replaced by another file"
+        return None
 
     def free_bytes(self) -> int:
         """Bytes this tier can still take: free space, bounded by its ``cap=``."""
