@@ -33,7 +33,9 @@ static bool same_inode(int a, int b) {
 static int reopen_direct(int fd, const std::string& path, int flags, int* err) {
     const std::string self = "/proc/self/fd/" + std::to_string(fd);
     int direct = open_retry(self.c_str(), flags | O_DIRECT);
-    if (direct < 0 && (errno == ENOENT || errno == EACCES)) direct = open_retry(path.c_str(), flags | O_DIRECT | O_NOFOLLOW);
+    if (direct < 0 && (errno == ENOENT || errno == EACCES)) {
+        direct = open_retry(path.c_str(), flags | O_DIRECT | O_NOFOLLOW);
+    }
     if (direct < 0) {
         *err = errno;
         return -1;
@@ -58,7 +60,8 @@ std::shared_ptr<File> File::open(const std::string& path, const OpenOptions& o, 
     if (fds->buffered_fd < 0) {
         const int e = errno;
         std::string why = e == ELOOP ? " (it is a symlink, which is never followed)" : "";
-        *st = Status::Error(e, "cannot open " + path + (o.read_only ? " for reading" : " for reading and writing") + why);
+        *st = Status::Error(e, "cannot open " + path + (o.read_only ? " for reading" : " for reading and writing") +
+                                   why);
         return nullptr;
     }
     auto f = std::shared_ptr<File>(new File());
