@@ -203,7 +203,7 @@ class OffloadAdam:
             raise PartialStepError(
                 f"OffloadAdam: a step stopped part-way ({self._partial_step}); some subgroups were updated and "
                 "others not, so stepping again would apply that step twice to some. Restore the state from the "
-                "last checkpoint (load_state_dict, or Megatron's --load) before the next step")
+                "last checkpoint (load_state_dict, or restart from it with Megatron's --load) before the next step")
         self._check_grads(grads)
         if params_out is not None:
             if params_out.numel() != self.numel or params_out.dtype not in GRAD_DTYPES \

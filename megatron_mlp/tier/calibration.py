@@ -292,9 +292,9 @@ def check_free_space(path: str, size_bytes: int, procs: int) -> None:
     vfs = os.statvfs(path)
     free = vfs.f_bavail * vfs.f_frsize
     if need > free:
-        raise NoRoomToMeasure(f"--size-bytes: calibrating {path} needs {need} bytes of free space ({max(procs, 2)} "
-                          f"files of {size_bytes} bytes at once) but it has {free} bytes free; lower --size-bytes "
-                          "or --procs")
+        raise NoRoomToMeasure(f"--size-bytes: calibrating {path} needs {need} bytes of free space "
+                              f"({max(procs, 2)} files of {size_bytes} bytes at once) but it has {free} bytes free; "
+                              "lower --size-bytes or --procs")
 
 
 def _preallocate(f, size_bytes: int) -> None:
