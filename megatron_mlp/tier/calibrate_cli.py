@@ -46,8 +46,11 @@ def _gbps(v: float) -> str:
     return f"{v / 1e9:.2f}"
 
 
+_CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the program is, so every ``finally`` removes what it wrote."""
+    """SIGTERM or SIGHUP, raised where the program is, so every ``finally`` removes what it wrote."""
 
     def __init__(self, signum: int):
         super().__init__(f"terminated by signal {signum}")
@@ -61,9 +64,11 @@ def _raise_terminated(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cache = args.cache or default_cache_path()
-    previous = signal.getsignal(signal.SIGTERM) if _main_thread() else None
-    if previous is not None:
-        signal.signal(signal.SIGTERM, _raise_terminated)
+    # SIGTERM and SIGHUP (a closed terminal) would kill without a word: raised instead, the run
+    # removes its files on the way out, as on Ctrl-C.
+    previous = {sig: signal.getsignal(sig) for sig in _CLEANUP_SIGNALS} if _main_thread() else {}
+    for sig in previous:
+        signal.signal(sig, _raise_terminated)
     try:
         size = parse_size(args.size_bytes, "--size-bytes")
         if size < 4096 or size % 4096:
@@ -83,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
               "nothing was cached", file=sys.stderr)
         return 128 + signum
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if args.json:
         out = {"cache": cache, "warnings": list(checked.warnings), "paths": []}
         for spec, (cal, cached) in zip(specs, results):

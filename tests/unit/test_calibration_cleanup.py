@@ -92,7 +92,8 @@ def test_leftovers_of_a_run_are_removed_and_nothing_else_when_a_worker_was_kille
 
 
 @pytest.mark.parametrize("sig,phase", [(signal.SIGTERM, "single"), (signal.SIGINT, "single"),
-                                       (signal.SIGTERM, "multi"), (signal.SIGINT, "multi")])
+                                       (signal.SIGTERM, "multi"), (signal.SIGINT, "multi"),
+                                       (signal.SIGHUP, "multi")])
 def test_calibrate_removes_its_partial_files_when_interrupted_by_a_signal(disk_dir, tmp_path, sig, phase):
     # "multi": while worker processes write their own files, which the run must remove too.
     proc = subprocess.Popen([sys.executable, "-m", "megatron_mlp", "calibrate", "--paths", disk_dir,
