@@ -119,6 +119,9 @@ class MLPOffloadConfig:
                               f"{', '.join(GRAD_TRANSFERS)}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"--mlp-offload-io-backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.calibration not in CALIBRATION_MODES and not os.path.isfile(self.calibration):
+            raise ConfigError(f"--mlp-offload-calibration: {self.calibration!r} is neither 'auto', 'off' nor an "
+                              "existing calibration file (write one with: megatron-mlp calibrate --cache FILE)")
 
     @classmethod
     def from_paths(cls, paths: str, **kwargs) -> "MLPOffloadConfig":

@@ -70,3 +70,9 @@ class TierFailure(TierIOError):
     @property
     def state_complete(self) -> bool:
         return not self.unreadable
+
+
+class PartialStepError(MLPOffloadError, RuntimeError):
+    """A step failed part-way earlier, so the state mixes subgroups it updated and subgroups it did
+    not: another step would apply that step twice to the former. Restore the state (a checkpoint,
+    ``load_state_dict``) first."""

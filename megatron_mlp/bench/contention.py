@@ -42,15 +42,13 @@ def _proc(directory: str, nbytes: int, chunk: int, use_tokens: bool, runtime_dir
     try:
         buf = eng.alloc(chunk)
         buf.numpy("uint8")[:] = 0xA5
-        f = eng.open(path, create=True, direct=True, truncate=True)
+        # A fresh name (O_EXCL), never reopened by name: the directory may be writable by others.
+        f = eng.open(path, create=True, direct=True, exclusive=True)
         try:
-            fd = os.open(path, os.O_WRONLY)
             try:
-                os.posix_fallocate(fd, 0, nbytes)  # as tier files are: overwritten in place
+                f.allocate(nbytes)  # as tier files are: overwritten in place
             except OSError:
                 pass
-            finally:
-                os.close(fd)
             barrier.wait(120)
             t_start = time.monotonic()
             for op in ("write", "read"):

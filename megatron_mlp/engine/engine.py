@@ -100,6 +100,22 @@ class FileHandle:
         if err:
             raise TierIOError(err, msg, self.path)
 
+    def allocate(self, nbytes: int) -> None:
+        """posix_fallocate the first ``nbytes`` through the open descriptor (never by name).
+
+        Raises:
+            TierIOError: ENOSPC, or EOPNOTSUPP/EINVAL where the file system cannot allocate.
+        """
+        err, msg = self._f.allocate(int(nbytes))
+        if err:
+            raise TierIOError(err, msg, self.path)
+
+    def drop_page_cache(self) -> None:
+        """Drop the file's pages from the page cache (POSIX_FADV_DONTNEED), through the open descriptor."""
+        err, msg = self._f.drop_page_cache()
+        if err:
+            raise TierIOError(err, msg, self.path)
+
     def close(self) -> None:
         """Close the handle. Transfers already in flight finish; new ones fail with EBADF."""
         self._f.close()
@@ -261,8 +277,13 @@ class Engine:
         return buf
 
     def open(self, path: str | os.PathLike, create: bool = True, direct: bool = True, *,
-             read_only: bool = False, truncate: bool = False, refuse_direct: bool = False) -> FileHandle:
+             read_only: bool = False, truncate: bool = False, refuse_direct: bool = False,
+             exclusive: bool = False) -> FileHandle:
         """Open a file for engine I/O.
+
+        A symlink at ``path`` is never followed (O_NOFOLLOW: ELOOP), and the file is looked up by
+        name once: the O_DIRECT descriptor is opened from the first one. With ``exclusive`` (and
+        ``create``) the open fails with EEXIST unless it creates the file.
 
         With ``direct`` the aligned body of each transfer uses O_DIRECT; when the file system refuses
         O_DIRECT (EINVAL), the file is served buffered and a warning is logged once per path.
@@ -272,7 +293,7 @@ class Engine:
             TierIOError: the file cannot be opened (errno and path).
         """
         path = os.fspath(path)
-        f, err, msg = self._eng.open(path, create, truncate, read_only, direct, refuse_direct)
+        f, err, msg = self._eng.open(path, create, truncate, read_only, direct, refuse_direct, exclusive)
         if err:
             raise TierIOError(err, msg, path)
         if direct and not f.direct and path not in self._warned_paths:

@@ -179,7 +179,7 @@ def _check_calibration(value: str) -> str:
     path = os.path.expanduser(os.path.expandvars(value))
     if not os.path.isfile(path):
         raise ConfigError(f"--mlp-offload-calibration: {value!r} is neither 'auto', 'off' nor an existing "
-                          "JSON file (write one with: megatron-mlp calibrate --paths ... -o FILE)")
+                          "JSON file (write one with: megatron-mlp calibrate --paths ... --cache FILE)")
     return path
 
 

@@ -47,7 +47,7 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
-from megatron_mlp.errors import ConfigError, IntegrityError, TierFailure, TierIOError
+from megatron_mlp.errors import ConfigError, IntegrityError, PartialStepError, TierFailure, TierIOError
 from megatron_mlp.optim.failover import FailoverStats, take_out_of_service
 from megatron_mlp.optim.host_pool import HostBufferPool
 from megatron_mlp.optim.placement import assign_subgroups, placement_tiers, warm_subgroups
@@ -104,8 +104,10 @@ class OffloadAdam:
         self.last_step_stats: dict = {}
         self.flush_errors: list[str] = []
 
-        self.tier_of = assign_subgroups(self.plan, config, ranks_per_node)
-        self._placement_tiers = placement_tiers(config, ranks_per_node)   # bandwidths, for the schedule
+        # Paths checked (and created) first: the placement needs each one's free space.
+        free = _check_tiers_and_sizes(config, self.plan)   # nothing starts half-configured
+        self.tier_of = assign_subgroups(self.plan, config, ranks_per_node, free)
+        self._placement_tiers = placement_tiers(config, ranks_per_node, free)   # bandwidths, for the schedule
         engine_factory = engine_factory or _default_engine_factory(config)
         token_factory = token_factory or _default_token_factory(config)
         job = str(config.extra.get("job_id", "job"))
@@ -113,8 +115,8 @@ class OffloadAdam:
         self._pinned: set[int] = set()      # subgroups kept in host memory for good (failover)
         self._cache_keep: set[int] = set()  # the cached subgroups of the last step
         self._halted: TierFailure | None = None
+        self._partial_step: str | None = None   # why the last step stopped part-way, until a restore
         self._retiring: list = []           # threads closing failed tiers
-        _check_tiers_and_sizes(config, self.plan)   # nothing starts half-configured
         self.stale_scratch = _clean_stale_scratch(config.tiers)
         from megatron_mlp.tier.scratch import install_sigterm_cleanup
         install_sigterm_cleanup()   # SIGTERM with no handler of its own removes the scratch; chains otherwise
@@ -208,10 +210,17 @@ class OffloadAdam:
                 subgroup's state is still readable unless ``exc.unreadable`` says otherwise. A
                 failover that succeeds only warns and shows in ``last_step_stats["failover"]``.
             IntegrityError: a region read back does not match its checksum.
+            PartialStepError: an earlier step stopped part-way (any of the errors above but a
+                TierFailure, or an interrupt) and no ``load_state_dict`` has restored the state since.
         """
         self._check_open()
         if self._halted is not None:
             raise self._halted
+        if self._partial_step is not None:
+            raise PartialStepError(
+                f"OffloadAdam: a step stopped part-way ({self._partial_step}); some subgroups were updated and "
+                "others not, so stepping again would apply that step twice to some. Restore the state from the "
+                "last checkpoint (load_state_dict, or restart from it with Megatron's --load) before the next step")
         self._check_grads(grads)
         if params_out is not None:
             if params_out.numel() != self.numel or params_out.dtype not in GRAD_DTYPES \
@@ -244,6 +253,10 @@ class OffloadAdam:
         try:
             errors = self._run_pipeline(order, keep, held_by_working, grads, params_out, hyper, inv_loss_scale,
                                         clip_coef, on_subgroup_done, stats)
+        except BaseException as e:
+            # Whatever stopped it (IntegrityError, a failed read, Ctrl-C), the step is partly applied.
+            self._partial_step = f"step {self.state[0]['step'] if self.state else '?'}: {type(e).__name__}: {e}"
+            raise
         finally:
             self._grads_ready = None
         stats.step_s = time.perf_counter() - t_step
@@ -255,8 +268,9 @@ class OffloadAdam:
         for store in self.stores:
             # A scratch file deleted from its path (a tmp cleaner) is still reachable through the open
             # descriptors: this step ran normally; move its subgroups off before anything is closed.
-            if not store.failed and id(store) not in failing and store.vanished():
-                failing[id(store)] = (store, f"its scratch file {store.file_path} vanished")
+            reason = None if store.failed or id(store) in failing else store.unreachable_reason()
+            if reason is not None:
+                failing[id(store)] = (store, reason)
         if failing:
             try:
                 take_out_of_service(self, list(failing.values()))
@@ -344,20 +358,27 @@ class OffloadAdam:
         if state_dict["numel"] != self.numel or ranges != list(self.plan.group_ranges):
             raise ValueError(f"load_state_dict: saved shard has {state_dict['numel']} elements in groups "
                              f"{ranges}, this optimizer has {self.numel} in {list(self.plan.group_ranges)}")
-        covered = 0
-        for chunk in sorted(state_dict["state"], key=_chunk_start):
-            data = chunk.materialize() if isinstance(chunk, LazyStateChunk) else chunk
-            if data["start"] != covered:
-                raise ValueError(f"load_state_dict: state chunks leave a gap at element {covered}")
-            self.write_range(data["start"], data["end"], data["param"], data["exp_avg"], data["exp_avg_sq"])
-            covered = data["end"]
-        if covered != self.numel:
-            raise ValueError(f"load_state_dict: state chunks cover [0, {covered}) of [0, {self.numel})")
+        covered, writing = 0, False
+        try:
+            for chunk in sorted(state_dict["state"], key=_chunk_start):
+                data = chunk.materialize() if isinstance(chunk, LazyStateChunk) else chunk
+                if data["start"] != covered:
+                    raise ValueError(f"load_state_dict: state chunks leave a gap at element {covered}")
+                writing = True
+                self.write_range(data["start"], data["end"], data["param"], data["exp_avg"], data["exp_avg_sq"])
+                covered = data["end"]
+            if covered != self.numel:
+                raise ValueError(f"load_state_dict: state chunks cover [0, {covered}) of [0, {self.numel})")
+        except BaseException as e:
+            if writing:   # part of the state is the new one, part the old: no step until a load succeeds
+                self._partial_step = f"load_state_dict stopped at element {covered}: {type(e).__name__}: {e}"
+            raise
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update(copy.deepcopy({k: v for k, v in saved.items() if k != "params"}))
         for g, step in enumerate(state_dict["steps"]):
             self.state[g]["step"] = int(step)
         self._iteration = int(state_dict.get("iteration", 0))
+        self._partial_step = None   # every element was just overwritten: the state is whole again
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients belong to the caller's flat buffer; nothing to do (torch optimizer protocol)."""
@@ -870,11 +891,13 @@ def _close_stores(stores) -> None:
     stores.clear()
 
 
-def _check_tiers_and_sizes(config, plan) -> None:
+def _check_tiers_and_sizes(config, plan) -> list[int]:
     """Paths usable (exist or creatable, writable directories, none listed twice; same device twice
-    is a warning) and a subgroup size that makes sense for this shard; errors name flag and value."""
+    is a warning) and a subgroup size that makes sense for this shard; errors name flag and value.
+    Returns the free bytes of each path."""
     from megatron_mlp.tier.validation import validate_tier_paths
-    for warning in validate_tier_paths(config.tiers).warnings:
+    checked = validate_tier_paths(config.tiers)
+    for warning in checked.warnings:
         logger.warning("%s", warning)
     n, size = plan.numel, config.subgroup_params
     if n and size < 1024:
@@ -883,6 +906,7 @@ def _check_tiers_and_sizes(config, plan) -> None:
     elif n >= (1 << 24) and size >= n:
         logger.warning("--mlp-offload-subgroup-size: %d elements holds this rank's whole shard (%d elements) in "
                        "one subgroup: no overlap of I/O and compute; use about a tenth of it", size, n)
+    return [c.free_bytes for c in checked.checks]
 
 
 def _clean_stale_scratch(tiers) -> dict:

@@ -9,6 +9,8 @@ the split is even -- ``megatron-mlp plan`` says so.
 """
 from __future__ import annotations
 
+import os
+
 from megatron_mlp.optim.schedule import cache_slots
 from megatron_mlp.optim.subgroups import SubgroupPlan
 from megatron_mlp.tier.spec import shares_rw_limit
@@ -16,12 +18,19 @@ from megatron_mlp.tier.spec import shares_rw_limit
 DEFAULT_BYTES_PER_S = 1e9
 
 
-def placement_tiers(config, ranks_per_node: int = 1):
-    """``PlacementTier`` per configured path (bandwidth, capacity, shared read/write limit)."""
-    from megatron_mlp.tier import PlacementTier
+def placement_tiers(config, ranks_per_node: int = 1, free_bytes=None):
+    """``PlacementTier`` per configured path (bandwidth, capacity, shared read/write limit).
 
+    ``free_bytes``: free space per path (validation's statvfs), or None to read it now. The capacity
+    is ``usable_capacity_bytes(cap=, free)``, the rule ``megatron-mlp plan`` applies too.
+    """
+    from megatron_mlp.tier import PlacementTier
+    from megatron_mlp.tier.placement import usable_capacity_bytes
+
+    if free_bytes is None:
+        free_bytes = [_free_bytes(spec.path) for spec in config.tiers]
     out = []
-    for spec in config.tiers:
+    for spec, free in zip(config.tiers, free_bytes):
         read, write = spec.read_bytes_per_s, spec.write_bytes_per_s
         source = "declared" if read or write else "default"
         read = read or write or DEFAULT_BYTES_PER_S
@@ -32,16 +41,25 @@ def placement_tiers(config, ranks_per_node: int = 1):
                 read = write = spec.qos_bytes_per_s
                 source = "declared"
         out.append(PlacementTier(path=spec.path, read_bytes_per_s=float(read), write_bytes_per_s=float(write),
-                                 capacity_bytes=spec.capacity_bytes,
+                                 capacity_bytes=usable_capacity_bytes(spec.capacity_bytes, free),
                                  shared_rw_limit=shares_rw_limit(spec), bandwidth_source=source))
     return out
 
 
-def plan_for(plan: SubgroupPlan, config, ranks_per_node: int = 1):
+def _free_bytes(path: str) -> int | None:
+    """Free space of ``path`` for this user; None where it cannot be read (the path may not exist yet)."""
+    try:
+        vfs = os.statvfs(path)
+    except OSError:
+        return None
+    return vfs.f_bavail * vfs.f_frsize
+
+
+def plan_for(plan: SubgroupPlan, config, ranks_per_node: int = 1, free_bytes=None):
     """The tier's ``Placement`` for this plan (None when everything goes on the first path)."""
     from megatron_mlp.tier import plan_placement
 
-    tiers = placement_tiers(config, ranks_per_node)
+    tiers = placement_tiers(config, ranks_per_node, free_bytes)
     if not config.multipath:
         tiers = tiers[:1]
     sizes = [sg.region_bytes for sg in plan]
@@ -67,10 +85,15 @@ def warm_subgroups(config) -> int:
     return config.prefetch_depth + config.flush_depth + 1
 
 
-def assign_subgroups(plan: SubgroupPlan, config, ranks_per_node: int = 1) -> list[int]:
-    """Tier index (into ``config.tiers``) of each subgroup."""
+def assign_subgroups(plan: SubgroupPlan, config, ranks_per_node: int = 1, free_bytes=None) -> list[int]:
+    """Tier index (into ``config.tiers``) of each subgroup: by bandwidth, within each path's
+    ``cap=`` and free space, two slots per subgroup (what does not fit on one path goes to another).
+
+    Raises:
+        TierCapacityError: the subgroups fit on no layout of the paths.
+    """
     if len(plan) == 0:
         return []
     if not config.multipath or len(config.tiers) == 1:
-        return [0] * len(plan)
-    return list(plan_for(plan, config, ranks_per_node).tier_of)
+        return [0] * len(plan)   # one path: the store checks its room (TierStore.create)
+    return list(plan_for(plan, config, ranks_per_node, free_bytes).tier_of)

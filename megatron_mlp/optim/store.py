@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from megatron_mlp.errors import IntegrityError, TierCapacityError, TierIOError
 from megatron_mlp.optim.stats import TierStepStats
 from megatron_mlp.optim.subgroups import Subgroup
+from megatron_mlp.tier.placement import SLOTS_PER_SUBGROUP, usable_capacity_bytes
 from megatron_mlp.tier.spec import shares_rw_limit
 from megatron_mlp.tier.scratch import SCRATCH_PREFIX, create_scratch_dir, reserve_space  # noqa: F401
 
@@ -98,14 +99,12 @@ class TierStore:
             TierIOError: the path cannot be used (names the path and errno).
             TierCapacityError: the tier lacks the space for two slots of its subgroups.
         """
-        need = 2 * sum(sg.region_bytes for sg in subgroups)
+        need = SLOTS_PER_SUBGROUP * sum(sg.region_bytes for sg in subgroups)
         try:
             free = os.statvfs(spec.path)
         except OSError as e:
             raise TierIOError(e.errno, "--mlp-offload-paths: cannot use tier path", spec.path) from e
-        free_bytes = free.f_bavail * free.f_frsize
-        if spec.capacity_bytes is not None:
-            free_bytes = min(free_bytes, spec.capacity_bytes)
+        free_bytes = usable_capacity_bytes(spec.capacity_bytes, free.f_bavail * free.f_frsize)   # as placed
         if need > free_bytes:
             raise TierCapacityError(
                 f"--mlp-offload-paths: tier {spec.path} needs {need} bytes for {len(subgroups)} subgroups "
@@ -425,11 +424,20 @@ class TierStore:
         """Whether the scratch file is gone from its path (deleted, or the directory replaced).
 
         The open descriptors still reach the data, so the state can be moved elsewhere."""
+        return self.unreachable_reason() is not None
+
+    def unreachable_reason(self) -> str | None:
+        """Why the scratch file can no longer be reached by its path, naming the errno (deleted:
+        ENOENT; its directory made unreadable: EACCES; ...), or None while it is there."""
         try:
             st = os.stat(self.file_path)
-        except OSError:
-            return True
-        return self._inode is not None and (st.st_dev, st.st_ino) != self._inode
+        except OSError as e:
+            what = "vanished" if e.errno == errno.ENOENT else "cannot be reached by its path"
+            return (f"its scratch file {self.file_path} {what}: "
+                    f"{os.strerror(e.errno or 0)} [{errno.errorcode.get(e.errno, e.errno)}]")
+        if self._inode is not None and (st.st_dev, st.st_ino) != self._inode:
+            return f"its scratch file {self.file_path} was replaced by another file"
+        return None
 
     def free_bytes(self) -> int:
         """Bytes this tier can still take: free space, bounded by its ``cap=``."""

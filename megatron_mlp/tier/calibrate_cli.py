@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 
 from megatron_mlp.errors import ConfigError, EngineUnavailable, TierIOError
 from megatron_mlp.tier.calibration import DEFAULT_SIZE_BYTES, calibrate_paths, default_cache_path
@@ -36,13 +38,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
 def _gbps(v: float) -> str:
     return f"{v / 1e9:.2f}"
+
+
+_CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the program is, so every ``finally`` removes what it wrote."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cache = args.cache or default_cache_path()
+    # SIGTERM and SIGHUP (a closed terminal) would kill without a word: raised instead, the run
+    # removes its files on the way out, as on Ctrl-C.
+    previous = {sig: signal.getsignal(sig) for sig in _CLEANUP_SIGNALS} if _main_thread() else {}
+    for sig in previous:
+        signal.signal(sig, _raise_terminated)
     try:
         size = parse_size(args.size_bytes, "--size-bytes")
         if size < 4096 or size % 4096:
@@ -50,11 +76,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.procs < 1:
             raise ConfigError(f"--procs: {args.procs} must be >= 1")
         specs = parse_tier_paths(args.paths, flag="--paths")
-        checked = validate_tier_paths(specs, flag="--paths")
-        results = calibrate_paths([s.path for s in specs], cache, size_bytes=size, procs=args.procs, force=args.force)
+        checked = validate_tier_paths(specs, flag="--paths", create=False)   # measuring creates no tier dir
+        results = calibrate_paths([s.path for s in specs], cache, size_bytes=size, procs=args.procs, force=args.force,
+                                  cache_flag="--cache")
     except (ConfigError, EngineUnavailable, TierIOError, RuntimeError) as e:
         print(f"megatron-mlp calibrate: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"megatron-mlp calibrate: interrupted ({signal.Signals(signum).name}); its files were removed and "
+              "nothing was cached", file=sys.stderr)
+        return 128 + signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if args.json:
         out = {"cache": cache, "warnings": list(checked.warnings), "paths": []}
         for spec, (cal, cached) in zip(specs, results):

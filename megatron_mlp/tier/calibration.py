@@ -16,11 +16,14 @@ measured ones; a ``qos=`` cap bounds both.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import math
 import os
 import socket
+import stat
 import tempfile
 import time
 import uuid
@@ -207,29 +210,37 @@ class _CacheLock:
 # Measurement (each process uses its own Engine; workers come from a fork server or are spawned,
 # so that no engine thread is ever forked)
 # ---------------------------------------------------------------------------------------------
+CALIBRATE_PREFIX = ".mlp-calibrate-"
+
+
 def _io_pass(directory: str, size_bytes: int, phases: tuple[str, ...], barrier, block_bytes: int,
-             queue_depth: int, chunk_bytes: int, name: str) -> dict:
+             queue_depth: int, chunk_bytes: int, name: str, run_tag: str = "") -> dict:
     from megatron_mlp.engine import Engine
 
-    file_path = os.path.join(directory, f".mlp-calibrate-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    # The run's tag first: whatever a killed worker leaves behind, the run finds by name and removes.
+    file_path = os.path.join(directory, f"{CALIBRATE_PREFIX}{run_tag}-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     result = {"direct": False, "backend": ""}
+    created = False
     eng = Engine(block_bytes=block_bytes, queue_depth=queue_depth)
     try:
         result["backend"] = eng.backend
         chunk = min(chunk_bytes, size_bytes)
         buf = eng.alloc(chunk)
         buf.numpy("uint8")[:] = 0x5A
-        f = eng.open(file_path, create=True, direct=True, truncate=True)
+        # A fresh name, created by this open (O_EXCL, never through a symlink) and never reopened by
+        # name: the tier directory may be writable by others.
+        f = eng.open(file_path, create=True, direct=True, exclusive=True)
+        created = True
         result["direct"] = bool(f.direct)
-        _preallocate(file_path, size_bytes)  # tier files are overwritten in place: time that, not allocation
         try:
+            _preallocate(f, size_bytes)  # tier files are overwritten in place: time that, not allocation
             if phases[0] == "read":  # something to read: written before the timed phases
                 for off in range(0, size_bytes, chunk):
                     eng.write(f, buf, off, nbytes=min(chunk, size_bytes - off))
                 eng.wait_all()
                 f.sync()
                 if not f.direct:
-                    _drop_page_cache(file_path)
+                    _drop_page_cache(f)
             for phase in phases:
                 if barrier is not None:
                     barrier.wait(60)
@@ -242,38 +253,90 @@ def _io_pass(directory: str, size_bytes: int, phases: tuple[str, ...], barrier, 
                     f.sync()  # counted: a buffered fallback must reach the device too
                 t1 = time.monotonic()
                 if not f.direct:
-                    _drop_page_cache(file_path)
+                    _drop_page_cache(f)
                 result[phase] = (t0, t1)
         finally:
             f.close()
     finally:
         eng.close()
-        try:
-            os.unlink(file_path)
-        except FileNotFoundError:
-            pass
+        if created:   # never a name this pass did not create (O_EXCL refused a planted one)
+            try:
+                os.unlink(file_path)
+            except FileNotFoundError:
+                pass
     return result
 
 
-def _preallocate(path: str, size_bytes: int) -> None:
+def remove_leftovers(directory: str, run_tag: str) -> list[str]:
+    """Remove the files a calibration run ``run_tag`` left in ``directory`` (a worker killed mid-pass).
+
+    Only regular files of this user whose names carry the run's tag; unlinking a name never follows it.
+    Returns the names removed.
+    """
+    prefix = f"{CALIBRATE_PREFIX}{run_tag}-"
+    removed = []
     try:
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.posix_fallocate(fd, 0, size_bytes)
-        finally:
-            os.close(fd)
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
-        pass  # not supported everywhere (some network file systems): allocation is then timed too
+        return removed
+    try:
+        for name in os.listdir(dfd):
+            if not name.startswith(prefix):
+                continue
+            try:
+                st = os.lstat(name, dir_fd=dfd)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                    os.unlink(name, dir_fd=dfd)
+                    removed.append(name)
+            except FileNotFoundError:
+                pass
+    finally:
+        os.close(dfd)
+    return removed
 
 
-def _drop_page_cache(path: str) -> None:
+class NoRoomToMeasure(ConfigError):
+    """A path lacks the free space for the calibration's files (nothing was written)."""
+
+
+def calibration_bytes(size_bytes: int, procs: int) -> int:
+    """Bytes a calibration of one path has on it at once: ``procs`` writers, or one writer and one
+    reader (the mixed pass), each with a file of ``size_bytes``."""
+    return size_bytes * max(procs, 2)
+
+
+def check_free_space(path: str, size_bytes: int, procs: int) -> None:
+    """Refuse before writing anything when ``path`` cannot hold the calibration's files.
+
+    Raises:
+        NoRoomToMeasure: a ConfigError naming --size-bytes, the path, the bytes needed and free.
+    """
+    need = calibration_bytes(size_bytes, procs)
+    vfs = os.statvfs(path)
+    free = vfs.f_bavail * vfs.f_frsize
+    if need > free:
+        raise NoRoomToMeasure(f"--size-bytes: calibrating {path} needs {need} bytes of free space "
+                              f"({max(procs, 2)} files of {size_bytes} bytes at once) but it has {free} bytes free; "
+                              "lower --size-bytes or --procs")
+
+
+def _preallocate(f, size_bytes: int) -> None:
+    """Allocate the whole file through its open handle ``f``."""
+    from megatron_mlp.errors import TierIOError
     try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    except OSError:
+        f.allocate(size_bytes)
+    except TierIOError as e:
+        if e.errno == errno.ENOSPC:
+            raise
+        # Not supported everywhere (some network file systems): allocation is then timed too.
+
+
+def _drop_page_cache(f) -> None:
+    """Evict the file's pages through its open handle, so a buffered read is not served from memory."""
+    from megatron_mlp.errors import TierIOError
+    try:
+        f.drop_page_cache()
+    except TierIOError:
         pass
 
 
@@ -298,6 +361,27 @@ def classify_shared_rw(size_bytes: int, read_bytes_per_s: float, write_bytes_per
     return abs(math.log(mixed_seconds / t_shared)) <= abs(math.log(mixed_seconds / t_separate))
 
 
+def _measure_passes(path, size_bytes, procs, block_bytes, queue_depth, chunk_bytes, run_tag):
+    """The single-process, ``procs``-process and mixed passes of :func:`measure_path`."""
+    single = _io_pass(path, size_bytes, ("write", "read"), None, block_bytes, queue_depth, chunk_bytes, "single",
+                      run_tag)
+    w1 = size_bytes / max(1e-9, single["write"][1] - single["write"][0])
+    r1 = size_bytes / max(1e-9, single["read"][1] - single["read"][0])
+    if procs > 1:
+        many = _run_procs([(path, size_bytes, ("write", "read"), block_bytes, queue_depth, chunk_bytes, "multi",
+                            run_tag) for _ in range(procs)])
+        wk = procs * size_bytes / max(1e-9, _span(many, "write"))
+        rk = procs * size_bytes / max(1e-9, _span(many, "read"))
+    else:
+        wk, rk = w1, r1
+    # Mixed: one writer and one reader at once (the reader's file is written first, untimed).
+    mixed = _run_procs([(path, size_bytes, ("write",), block_bytes, queue_depth, chunk_bytes, "mixw", run_tag),
+                        (path, size_bytes, ("read",), block_bytes, queue_depth, chunk_bytes, "mixr", run_tag)])
+    t_mixed = max(r[p][1] for r in mixed for p in ("write", "read") if p in r) - \
+        min(r[p][0] for r in mixed for p in ("write", "read") if p in r)
+    return single, r1, w1, rk, wk, t_mixed
+
+
 def measure_path(path: str, size_bytes: int = DEFAULT_SIZE_BYTES, procs: int = 4,
                  block_bytes: int = DEFAULT_IO_BLOCK_BYTES, queue_depth: int = DEFAULT_IO_QUEUE_DEPTH,
                  chunk_bytes: int = 64 << 20) -> PathCalibration:
@@ -310,22 +394,16 @@ def measure_path(path: str, size_bytes: int = DEFAULT_SIZE_BYTES, procs: int = 4
         raise ConfigError(f"--size-bytes: {size_bytes} must be a positive multiple of 4096")
     if procs < 1:
         raise ConfigError(f"--procs: {procs} must be >= 1")
+    check_free_space(path, size_bytes, procs)
     info = device_info(path)
-    single = _io_pass(path, size_bytes, ("write", "read"), None, block_bytes, queue_depth, chunk_bytes, "single")
-    w1 = size_bytes / max(1e-9, single["write"][1] - single["write"][0])
-    r1 = size_bytes / max(1e-9, single["read"][1] - single["read"][0])
-    if procs > 1:
-        many = _run_procs([(path, size_bytes, ("write", "read"), block_bytes, queue_depth, chunk_bytes, "multi")
-                           for _ in range(procs)])
-        wk = procs * size_bytes / max(1e-9, _span(many, "write"))
-        rk = procs * size_bytes / max(1e-9, _span(many, "read"))
-    else:
-        wk, rk = w1, r1
-    # Mixed: one writer and one reader at once (the reader's file is written first, untimed).
-    mixed = _run_procs([(path, size_bytes, ("write",), block_bytes, queue_depth, chunk_bytes, "mixw"),
-                        (path, size_bytes, ("read",), block_bytes, queue_depth, chunk_bytes, "mixr")])
-    t_mixed = max(r[p][1] for r in mixed for p in ("write", "read") if p in r) - \
-        min(r[p][0] for r in mixed for p in ("write", "read") if p in r)
+    run_tag = uuid.uuid4().hex[:12]
+    try:
+        passes = _measure_passes(path, size_bytes, procs, block_bytes, queue_depth, chunk_bytes, run_tag)
+    finally:
+        # Every exit (an error, Ctrl-C, SIGTERM made an exception by the CLI): nothing stays behind,
+        # not even the file of a worker that was killed before it could remove its own.
+        remove_leftovers(info.realpath, run_tag)
+    single, r1, w1, rk, wk, t_mixed = passes
     # Compare with the two models using the bandwidths measured under concurrency (several streams,
     # as in the mixed run); a single stream may not saturate the device.
     r_ref, w_ref = (rk, wk) if procs > 1 else (r1, w1)
@@ -341,21 +419,60 @@ def measure_path(path: str, size_bytes: int = DEFAULT_SIZE_BYTES, procs: int = 4
 # ---------------------------------------------------------------------------------------------
 # Cache-aware calibration and the bandwidth the placement uses
 # ---------------------------------------------------------------------------------------------
+def _cache_error(flag: str, cache_path: str, what: str, e: OSError) -> ConfigError:
+    reason = f"{e.strerror or os.strerror(e.errno or 0)} [{errno.errorcode.get(e.errno, e.errno)}]"
+    return ConfigError(f"{flag}: cannot use {cache_path} as the calibration cache: {what}: {reason}")
+
+
+@contextlib.contextmanager
+def _open_cache_lock(cache_path: str, flag: str):
+    """Hold the cache's lock; a cache path that cannot be used (a file or /proc on the way, no
+    permission) is a ConfigError naming ``flag`` and the path, not a traceback."""
+    directory = os.path.dirname(os.path.abspath(cache_path))
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ConfigError(f"{flag}: cannot use {cache_path} as the calibration cache: {directory} is not a directory")
+    if os.path.lexists(cache_path) and not os.path.isfile(cache_path):
+        raise ConfigError(f"{flag}: cannot use {cache_path} as the calibration cache: it exists and is not a "
+                          "regular file")
+    try:
+        lock = _CacheLock(cache_path)
+    except OSError as e:
+        raise _cache_error(flag, cache_path, f"cannot create its directory {directory}", e) from e
+    try:
+        lock.__enter__()
+    except OSError as e:
+        raise _cache_error(flag, cache_path, f"cannot create its lock file {lock.path}", e) from e
+    try:
+        yield lock
+    finally:
+        lock.__exit__(None, None, None)
+
+
 def calibrate_paths(paths, cache_path: str | None = None, size_bytes: int = DEFAULT_SIZE_BYTES, procs: int = 4,
-                    force: bool = False, measure=None) -> list[tuple[PathCalibration, bool]]:
+                    force: bool = False, measure=None,
+                    cache_flag: str = "calibration cache") -> list[tuple[PathCalibration, bool]]:
     """Calibration of each path: from the cache when valid, else measured and cached.
 
     Returns:
         [(PathCalibration, from_cache)] in the order of ``paths``.
+
+    Raises:
+        ConfigError: a path lacks the free space to be measured (before any is measured), or the
+            cache file cannot be used (names ``cache_flag``).
     """
     measure = measure or measure_path
     cache_path = cache_path or default_cache_path()
     out = []
-    with _CacheLock(cache_path):
+    with _open_cache_lock(cache_path, cache_flag):
         entries = load_cache(cache_path)
         changed = False
+        cached = {path: None if force else lookup(entries, path) for path in paths}
+        if measure is measure_path:
+            for path in paths:   # all up front: no path is measured when a later one cannot be
+                if cached[path] is None:
+                    check_free_space(path, size_bytes, procs)
         for path in paths:
-            cal = None if force else lookup(entries, path)
+            cal = cached[path]
             if cal is not None:
                 out.append((cal, True))
                 continue
@@ -364,7 +481,10 @@ def calibrate_paths(paths, cache_path: str | None = None, size_bytes: int = DEFA
             changed = True
             out.append((cal, False))
         if changed:
-            save_cache(cache_path, entries)
+            try:
+                save_cache(cache_path, entries)
+            except OSError as e:
+                raise _cache_error(cache_flag, cache_path, "cannot write it", e) from e
     return out
 
 
@@ -424,7 +544,7 @@ def resolve_bandwidth(spec: TierSpec, cal: PathCalibration | None) -> TierBandwi
 
 
 def calibrations_for(specs, mode: str = "auto", cache_path: str | None = None, size_bytes: int = DEFAULT_SIZE_BYTES,
-                     procs: int = 4, measure=None) -> tuple[list, list[str]]:
+                     procs: int = 4, measure=None, cache_flag: str = "calibration cache") -> tuple[list, list[str]]:
     """The calibration each spec needs under ``mode`` ('auto', 'off' or a file).
 
     In 'auto', paths whose read and write bandwidths are both declared are not measured; when the
@@ -444,10 +564,10 @@ def calibrations_for(specs, mode: str = "auto", cache_path: str | None = None, s
     if need:
         try:
             measured = calibrate_paths([specs[i].path for i in need], cache_path, size_bytes=size_bytes,
-                                       procs=procs, measure=measure)
+                                       procs=procs, measure=measure, cache_flag=cache_flag)
             for i, (cal, _) in zip(need, measured):
                 out[i] = cal
-        except (ImportError, OSError, RuntimeError) as e:
+        except (ImportError, OSError, RuntimeError, NoRoomToMeasure) as e:
             notes.append(f"calibration unavailable ({type(e).__name__}: {e}); using the default assumption "
                          f"of {DEFAULT_BYTES_PER_S / 1e9:g} GB/s where no bandwidth is declared")
     return out, notes

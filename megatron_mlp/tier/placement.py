@@ -49,6 +49,20 @@ from typing import Iterable, Sequence
 from megatron_mlp.errors import ConfigError, TierCapacityError
 
 _EPS = 1e-12
+SLOTS_PER_SUBGROUP = 2
+"""A subgroup occupies two slots on its tier (optim/store.py: a flush writes the slot that does not
+hold the good copy), so a tier holds half its usable bytes of state."""
+
+
+def usable_capacity_bytes(capacity_bytes: int | None, free_bytes: int | None) -> int | None:
+    """Bytes the node may use on a tier: its declared ``cap=``, bounded by the free space.
+
+    The one rule ``megatron-mlp plan`` (tier/resolve.py) and the optimizer (optim/placement.py)
+    both apply, so that they place the state alike. None = unbounded (no cap, free space unknown).
+    """
+    if free_bytes is None:
+        return capacity_bytes
+    return free_bytes if capacity_bytes is None else min(capacity_bytes, free_bytes)
 # Splits of the subgroup kinds over the tiers tried one by one (a few ms each thousand): beyond
 # this many, the greedy assignment and the local search decide alone.
 _EXACT_LIMIT = 20_000
@@ -61,7 +75,9 @@ class PlacementTier:
     Attributes:
         path: the storage path (for messages and tables).
         read_bytes_per_s, write_bytes_per_s: the tier's node-level bandwidth (all ranks together).
-        capacity_bytes: bytes the node may use on this tier (all ranks together); None = unlimited.
+        capacity_bytes: bytes the node may use on this tier (all ranks together; see
+            :func:`usable_capacity_bytes`); None = unlimited. Each subgroup placed here takes
+            ``SLOTS_PER_SUBGROUP`` times its size of it.
         shared_rw_limit: reads and writes share one bandwidth limit (time adds) or not (time overlaps).
         ranks_sharing: ranks of the node using this tier; None = the ``ranks_per_node`` of the plan.
         device: the physical tier key (for tables only).
@@ -99,7 +115,8 @@ class Placement:
         tier_of: tier index of each subgroup (input order preserved).
         cached: whether each subgroup stays in the host cache (moves no bytes).
         subgroup_bytes: stored bytes of each subgroup.
-        tier_bytes: stored bytes per tier (per rank; counts cached subgroups' homes).
+        tier_bytes: bytes of state per tier (per rank; counts cached subgroups' homes); the device
+            holds ``SLOTS_PER_SUBGROUP`` times that (``device_bytes`` in :meth:`to_dict`).
         tier_read_bytes, tier_write_bytes: bytes moved per step per tier (per rank).
         tier_seconds: predicted I/O seconds per tier per step.
         total_seconds: predicted update-phase I/O time (slowest tier).
@@ -153,6 +170,7 @@ class Placement:
                 "subgroups": self.subgroups_on(j),
                 "num_subgroups": len(self.subgroups_on(j)),
                 "stored_bytes": self.tier_bytes[j],
+                "device_bytes": SLOTS_PER_SUBGROUP * self.tier_bytes[j],
                 "read_bytes": self.tier_read_bytes[j], "write_bytes": self.tier_write_bytes[j],
                 "predicted_seconds": self.tier_seconds[j],
             })
@@ -273,8 +291,10 @@ class _Model:
         self.inv_w = [(t.ranks_sharing or ranks_per_node) / t.write_bytes_per_s for t in tiers]
         self.shared = [t.shared_rw_limit for t in tiers]
         ranks = [t.ranks_sharing or ranks_per_node for t in tiers]
-        # Capacity is a node figure; each rank has the same layout, so it may use 1/ranks of it.
-        self.cap = [math.inf if t.capacity_bytes is None else t.capacity_bytes // r for t, r in zip(tiers, ranks)]
+        # Capacity is a node figure; each rank has the same layout, so it may use 1/ranks of it. In
+        # bytes of state: every subgroup takes SLOTS_PER_SUBGROUP times its size on the device.
+        self.cap = [math.inf if t.capacity_bytes is None else t.capacity_bytes // r // SLOTS_PER_SUBGROUP
+                    for t, r in zip(tiers, ranks)]
 
     def time(self, j: int, r: float, w: float) -> float:
         a, b = r * self.inv_r[j], w * self.inv_w[j]
@@ -490,8 +510,9 @@ def plan_placement(subgroup_bytes: Sequence[int],
     smallest = min((s for i, s in enumerate(sizes) if cost[i]), default=0)
     for j, t in enumerate(tiers):
         if smallest and model.cap[j] < smallest:
-            notes.append(f"{t.path}: its capacity per rank ({int(model.cap[j])} bytes) holds no whole subgroup "
-                         f"({smallest} bytes); use smaller subgroups to make use of it")
+            notes.append(f"{t.path}: its capacity per rank ({SLOTS_PER_SUBGROUP * int(model.cap[j])} bytes) holds "
+                         f"no whole subgroup ({SLOTS_PER_SUBGROUP * smallest} bytes in two slots); use smaller "
+                         "subgroups to make use of it")
     worst = [st.worst_parity(j) for j in range(model.n)]
     total = max(st.times)
     if full_pool:
@@ -508,24 +529,28 @@ def plan_placement(subgroup_bytes: Sequence[int],
 
 
 def _check_total_capacity(tiers, model: _Model, sizes: list[int]) -> None:
-    total = sum(sizes)
-    cap = sum(model.cap)
+    # Messages count bytes on the devices (two slots per subgroup), as free space and cap= do.
+    k = SLOTS_PER_SUBGROUP
+    total = k * sum(sizes)
+    cap = k * sum(model.cap)
     if total > cap:
-        full = ", ".join(f"{t.path} ({model.cap[j]} bytes per rank)" for j, t in enumerate(tiers)
+        full = ", ".join(f"{t.path} ({k * model.cap[j]} bytes per rank)" for j, t in enumerate(tiers)
                          if model.cap[j] != math.inf)
         raise TierCapacityError(
-            f"--mlp-offload-paths: the optimizer state needs {total} bytes per rank but the tiers hold "
-            f"{int(cap)}: {total - int(cap)} bytes missing per rank; full tiers: {full}. Add a path, "
-            "raise cap=, or use fewer/larger ranks per node.")
+            f"--mlp-offload-paths: the optimizer state needs {total} bytes per rank on the tiers (two slots per "
+            f"subgroup) but they hold {int(cap)} (cap= bounded by the free space): {total - int(cap)} bytes "
+            f"missing per rank; full tiers: {full}. Add a path, free space, raise cap=, or use fewer/larger "
+            "ranks per node.")
 
 
 def _raise_capacity(tiers, model: _Model, sizes, stored, unplaced) -> None:
-    missing = sum(sizes[i] for i in unplaced)
-    full = ", ".join(f"{t.path} ({stored[j]} of {int(model.cap[j])} bytes used, {int(model.cap[j]) - stored[j]} free)"
-                     for j, t in enumerate(tiers))
+    k = SLOTS_PER_SUBGROUP
+    missing = k * sum(sizes[i] for i in unplaced)
+    full = ", ".join(f"{t.path} ({k * stored[j]} of {k * int(model.cap[j])} bytes used, "
+                     f"{k * (int(model.cap[j]) - stored[j])} free)" for j, t in enumerate(tiers))
     raise TierCapacityError(
-        f"--mlp-offload-paths: {len(unplaced)} subgroups ({missing} bytes per rank) do not fit whole in "
-        f"the room left on the tiers: {missing} bytes missing; tiers: {full}. Use smaller subgroups "
+        f"--mlp-offload-paths: {len(unplaced)} subgroups ({missing} bytes per rank, two slots each) do not fit "
+        f"whole in the room left on the tiers: {missing} bytes missing; tiers: {full}. Use smaller subgroups "
         "(--mlp-offload-subgroup-size), raise cap=, or add a path.")
 
 

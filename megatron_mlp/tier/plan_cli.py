@@ -39,9 +39,23 @@ def parse_count(text: str, flag: str) -> int:
         value = float(t[:-1] if unit else t) * _COUNT_UNITS[unit]
     except ValueError:
         raise ConfigError(f"{flag}: cannot parse {text!r} (examples: 7B, 100M, 4096)") from None
-    if value <= 0 or not math.isfinite(value):
-        raise ConfigError(f"{flag}: {text!r} must be positive")
+    if value < 1 or not math.isfinite(value):
+        raise ConfigError(f"{flag}: {text!r} must be a finite count of at least 1")
     return int(value)
+
+
+# Planning enumerates subgroups one by one: beyond these the table is meaningless and the memory not.
+MAX_NUM_PARAMS = 10**15
+MAX_SUBGROUPS = 1_000_000
+
+
+def _check_subgroup_count(params_per_rank: int, subgroup_params: int) -> None:
+    """Refuse sizes that would make the plan enumerate absurdly many subgroups, naming the flag."""
+    count = -(-params_per_rank // subgroup_params)
+    if count > MAX_SUBGROUPS:
+        raise ConfigError(f"--subgroup-params: {subgroup_params:,} params per subgroup cut the {params_per_rank:,} "
+                          f"params per rank into {count:,} subgroups; at most {MAX_SUBGROUPS:,} are planned: raise "
+                          "--subgroup-params (100M is typical)")
 
 
 # The optimizer's working buffers with the default --mlp-offload-prefetch-depth / -flush-depth.
@@ -90,6 +104,9 @@ def make_plan(args) -> dict:
     """Everything the plan command prints, as a dict (the table and --json are views of it)."""
     specs = parse_tier_paths(args.paths, flag="--paths")
     num_params = parse_count(args.num_params, "--num-params")
+    if num_params > MAX_NUM_PARAMS:
+        raise ConfigError(f"--num-params: {args.num_params} ({num_params:.3g} params) is beyond what can be planned "
+                          f"(at most {MAX_NUM_PARAMS:.0e})")
     subgroup_params = parse_count(args.subgroup_params, "--subgroup-params")
     if args.ranks_per_node < 1:
         raise ConfigError(f"--ranks-per-node: {args.ranks_per_node} must be >= 1")
@@ -104,12 +121,14 @@ def make_plan(args) -> dict:
         raise ConfigError(f"--working-buffers: {working} must be >= 0")
     if args.cache_model != "alternate":
         working = 0   # the working buffers carry subgroups over only with the alternating order
-    shard = math.ceil(num_params / dp)
+    shard = -(-num_params // dp)   # integers throughout: a float of 1e30 params would overflow below
+    _check_subgroup_count(shard, subgroup_params)
     params = subgroup_layout(shard, subgroup_params)
     sizes = [n * STATE_BYTES_PER_PARAM for n in params]
 
     resolved = resolve_tiers(specs, calibration=args.calibration, probe=not args.no_probe,
-                             cache_path=args.calibration_cache, flag="--paths", num_nodes=args.nodes)
+                             cache_path=args.calibration_cache, flag="--paths", num_nodes=args.nodes,
+                             create=False, cache_flag="--calibration-cache")
     warnings, notes, mode = list(resolved.warnings), list(resolved.notes), resolved.calibration
     tiers = list(resolved.tiers)
     placement = plan_placement(sizes, None, tiers, ranks_per_node=args.ranks_per_node, host_cache_bytes=host_cache,

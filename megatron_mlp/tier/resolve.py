@@ -35,7 +35,8 @@ class ResolvedTiers:
 
 def resolve_tiers(specs: tuple[TierSpec, ...], calibration: str = "auto", probe: bool = True,
                   cache_path: str | None = None, ranks_sharing: int | None = None,
-                  flag: str = PATHS_FLAG, num_nodes: int = 1) -> ResolvedTiers:
+                  flag: str = PATHS_FLAG, num_nodes: int = 1, create: bool = True,
+                  cache_flag: str = "calibration cache") -> ResolvedTiers:
     """Validate (when ``probe``), calibrate and turn ``specs`` into :class:`PlacementTier` objects.
 
     Args:
@@ -45,6 +46,8 @@ def resolve_tiers(specs: tuple[TierSpec, ...], calibration: str = "auto", probe:
         ranks_sharing: ranks of the node using each tier (None: the plan's ranks_per_node).
         num_nodes: nodes of the job; a ``shared=job`` tier enters with one node's share of its
             bandwidth and capacity (the same :func:`node_share` the optimizer applies).
+        create: create missing tier directories (the optimizer) or refuse them (a planning command
+            creates nothing).
 
     Raises:
         ConfigError: a path fails validation, or the calibration file is unusable.
@@ -52,7 +55,7 @@ def resolve_tiers(specs: tuple[TierSpec, ...], calibration: str = "auto", probe:
     warnings: list[str] = []
     notes: list[str] = []
     if probe:
-        checked = validate_tier_paths(specs, flag=flag)
+        checked = validate_tier_paths(specs, flag=flag, create=create)
         warnings += checked.warnings
         checks = checked.checks
         capacities = [c.usable_bytes for c in checks]
@@ -63,7 +66,7 @@ def resolve_tiers(specs: tuple[TierSpec, ...], calibration: str = "auto", probe:
         capacities = [s.capacity_bytes for s in specs]
         devices = [None] * len(specs)
         mode = "off" if calibration == "auto" else calibration
-    cals, cal_notes = calibrations_for(specs, mode, cache_path=cache_path)
+    cals, cal_notes = calibrations_for(specs, mode, cache_path=cache_path, cache_flag=cache_flag)
     notes += cal_notes
     tiers = []
     for spec, cal, cap, dev in zip(specs, cals, capacities, devices):

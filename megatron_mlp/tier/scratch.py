@@ -10,6 +10,11 @@ directory therefore says who owns it and proves, while that owner lives, that it
 * ``lock`` (0600) held with ``fcntl.flock(LOCK_EX)`` for the owner's lifetime. The kernel drops
   the lock when the process dies, however it dies (SIGKILL included).
 
+A process forked by the owner closes its copy of the lock descriptor right after the fork, so it
+cannot keep a dead owner's lock; should the lock still be held when the owner's pid is gone
+(forked before this module was imported, or by a library that bypasses ``os.fork``), the directory
+is reported, not silently taken for live.
+
 A directory is *provably stale* when its owner ran on this host, its pid no longer exists and
 its lock can be taken (where the file system has flock; without it, the pid alone decides). A
 free lock whose pid exists (reused, or an owner that ran without flock) is reported, not removed. A directory of another host (a shared parallel file system) cannot be
@@ -230,6 +235,11 @@ def _staleness(path: str, host: str) -> tuple[str, str]:
             lock_free = True
         except OSError as e:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                if isinstance(pid, int) and not _pid_alive(pid):
+                    # The owner is gone but someone holds its lock: a process it forked that
+                    # inherited the descriptor (before that fork released it), still running.
+                    return "unknown", (f"owner pid {pid} on {host} is gone but its lock is still held, likely by a "
+                                       "process it forked that still runs")
                 return "live", f"locked by its owner (pid {pid})"
             if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL):
                 raise
@@ -314,6 +324,28 @@ def _register(s: ScratchDir) -> None:
 def _unregister(s: ScratchDir) -> None:
     with _live_lock:
         _live.pop(id(s), None)
+
+
+def _release_locks_after_fork_in_child() -> None:
+    """A forked child (a data-loader worker, say) inherits the lock descriptors, and with them the
+    flocks: if the parent then died, the child would keep its scratch looking alive. The child
+    closes its copies (the parent's locks stay: a flock lasts while any descriptor remains) and
+    forgets the directories, which stay the parent's to remove."""
+    global _live_lock
+    _live_lock = threading.Lock()   # another thread may have held it at fork time
+    for s in list(_live.values()):
+        if s._lock_fd >= 0:
+            try:
+                os.close(s._lock_fd)
+            except OSError:
+                pass
+            s._lock_fd = -1
+        s.removed = True            # never the child's to remove
+    _live.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_release_locks_after_fork_in_child)
 
 
 def live_scratch_dirs() -> list[str]:

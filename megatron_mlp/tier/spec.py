@@ -62,12 +62,26 @@ def parse_rate(text: str, flag: str) -> float:
     return float(value)
 
 
+def _split_options(item: str) -> tuple[str, str]:
+    """``'/a\\:b:bw=1GB'`` -> ``('/a:b', 'bw=1GB')``: the first ':' not escaped by a backslash starts
+    the options; ``\\:`` is a ':' of the path."""
+    i = 0
+    while True:
+        i = item.find(":", i)
+        if i < 0:
+            return item.replace("\\:", ":"), ""
+        if i > 0 and item[i - 1] == "\\":
+            i += 1
+            continue
+        return item[:i].replace("\\:", ":"), item[i + 1:]
+
+
 def parse_tier_paths(text: str, flag: str = PATHS_FLAG) -> tuple[TierSpec, ...]:
     """Parse the ';'-separated tier list. Options follow a ':' as comma-separated key=value:
     ``bw`` (read and write), ``read_bw``, ``write_bw``, ``cap``, ``qos``, ``rw`` (``shared`` when
     reads and writes share one bandwidth limit, ``separate`` when not), ``shared`` (``job`` when all
     the job's nodes share the path and its figures are the job's total, ``node`` when not).
-    ``$VARS`` expand."""
+    ``$VARS`` expand. A ':' that belongs to the path is written ``\\:``."""
     if text is None or not str(text).strip():
         raise ConfigError(f"{flag}: empty; give at least one storage path, e.g. '/local/nvme;/lustre/scratch'")
     specs = []
@@ -75,7 +89,7 @@ def parse_tier_paths(text: str, flag: str = PATHS_FLAG) -> tuple[TierSpec, ...]:
         item = item.strip()
         if not item:
             continue
-        path, _, opts = item.partition(":")
+        path, opts = _split_options(item)
         path = os.path.expanduser(os.path.expandvars(path.strip()))
         if not path:
             raise ConfigError(f"{flag}: entry {item!r} has no path")
@@ -84,7 +98,9 @@ def parse_tier_paths(text: str, flag: str = PATHS_FLAG) -> tuple[TierSpec, ...]:
             key, eq, value = opt.partition("=")
             key = key.strip().lower()
             if not eq:
-                raise ConfigError(f"{flag}: option {opt!r} of {path} is not key=value")
+                raise ConfigError(f"{flag}: in {item!r}, ':' starts the options of path {path}, and {opt!r} is not "
+                                  "key=value (known: bw, read_bw, write_bw, cap, qos, rw); write a ':' that is part "
+                                  "of the path as '\\:'")
             if key == "bw":
                 kw["read_bytes_per_s"] = kw["write_bytes_per_s"] = parse_rate(value, flag)
             elif key == "read_bw":

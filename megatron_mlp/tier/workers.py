@@ -48,6 +48,12 @@ def run_workers(ctx, fn, jobs: list[tuple], *, what: str, timeout: float = 600.0
                 errors.append(f"a {what} process did not report in time")
                 break
             (results if kind == "ok" else errors).append(value)
+    except BaseException:
+        # Interrupted (Ctrl-C, SIGTERM turned into an exception): stop the workers now rather than
+        # let them run on for the join below; the caller removes what they leave behind.
+        for p in procs:
+            p.terminate()
+        raise
     finally:
         for p in procs:
             p.join(10)

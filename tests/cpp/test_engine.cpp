@@ -122,6 +122,29 @@ TEST(closed_and_read_only_handles_fail_with_ebadf) {
     }
 }
 
+TEST(open_never_follows_a_symlink_and_exclusive_never_opens_an_existing_file) {
+    ScratchDir dir;
+    Engine e(opts(backends()[0]));
+    auto victim = dir.file("victim.bin");
+    open_file(e, victim)->close();
+    auto link = dir.file("link.bin");
+    CHECK(::symlink(victim.c_str(), link.c_str()) == 0);
+    Status st;
+    CHECK(e.open(link, OpenOptions{}, &st) == nullptr);
+    CHECK_EQ(st.err, ELOOP);
+    OpenOptions excl;
+    excl.exclusive = true;
+    CHECK(e.open(victim, excl, &st) == nullptr);
+    CHECK_EQ(st.err, EEXIST);
+    auto fresh = e.open(dir.file("fresh.bin"), excl, &st);
+    CHECK(st.ok() && fresh != nullptr);
+    CHECK(fresh->allocate(8192).ok());
+    int64_t n = 0;
+    CHECK(fresh->size(&n).ok());
+    CHECK_EQ(n, 8192);
+    CHECK(fresh->drop_page_cache().ok());
+}
+
 TEST(injected_faults_fail_retry_or_shorten_the_chosen_request) {
     for (const auto& b : backends()) {
         ScratchDir dir;

@@ -105,3 +105,10 @@ def test_a_subgroup_size_absurdly_small_for_the_model_is_warned_about_naming_the
         with _opt([disk_dir], subgroup_params=100):
             pass
     assert "--mlp-offload-subgroup-size: 100 elements" in caplog.text
+
+
+def test_a_calibration_file_that_does_not_exist_is_refused_naming_flag_and_file_when_the_config_is_built(tmp_path):
+    missing = str(tmp_path / "no-such-calibration.json")
+    with pytest.raises(ConfigError, match=f"--mlp-offload-calibration: '{missing}' is neither 'auto', 'off' nor an "
+                                          "existing calibration file"):
+        MLPOffloadConfig.from_paths(str(tmp_path), calibration=missing)

@@ -36,3 +36,24 @@ def test_bench_faults_rejects_an_unknown_kind_naming_the_flag():
     from megatron_mlp.errors import ConfigError
     with pytest.raises(ConfigError, match="--kinds: unknown kind 'meteor'"):
         main(["--kinds", "eio,meteor"])
+
+
+def test_bench_faults_names_the_kind_that_did_not_finish_and_why_and_still_reports_the_others(disk_dir, monkeypatch,
+                                                                                             capsys):
+    from megatron_mlp.bench import faults
+    real_run = faults._Campaign.run
+
+    def run(self):
+        if self.kind == "eio":   # e.g. a bound a busy machine could not meet
+            raise RuntimeError("the device was too slow for this campaign")
+        return real_run(self)
+
+    monkeypatch.setattr(faults._Campaign, "run", run)
+    rc = faults.main(["--json", "--steps", "4", "--faults-per-kind", "1", "--num-params", "60000",
+                      "--subgroup-params", "10000", "--checkpoint-every", "2", "--dir", disk_dir,
+                      "--kinds", "eio,short_write"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 1
+    assert report["failed_kinds"] == {"eio": "RuntimeError: the device was too slow for this campaign"}
+    assert report["kinds"]["eio"]["lost"] is None and not report["kinds"]["eio"]["bit_equal"]
+    assert report["kinds"]["short_write"]["lost"] == 0 and report["kinds"]["short_write"]["bit_equal"]

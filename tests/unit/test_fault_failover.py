@@ -167,6 +167,29 @@ def test_subgroups_move_off_a_tier_whose_scratch_dir_vanished(two_tiers):
         assert_same(opt, ref)
 
 
+def test_failover_reason_names_the_errno_when_the_scratch_file_cannot_be_reached_for_lack_of_permission(
+        two_tiers, monkeypatch):
+    # chmod 000 on the scratch dir (root bypasses it, so the refusal is emulated at stat).
+    from megatron_mlp.optim import store as store_module
+    opt, ref, _ = build(two_tiers)
+    with opt:
+        steps(opt, ref, 0, 2)
+        blocked = opt.stores[1].file_path
+        real_stat = os.stat
+
+        def stat(path, *args, **kwargs):
+            if os.fspath(path) == blocked:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+            return real_stat(path, *args, **kwargs)
+
+        monkeypatch.setattr(store_module.os, "stat", stat)
+        steps(opt, ref, 2, 3)
+        monkeypatch.undo()
+        reason = opt.last_step_stats["failover"]["failed_tiers"][0]["reason"]
+        assert "EACCES" in reason and "vanished" not in reason and blocked in reason
+        assert_same(opt, ref)
+
+
 def test_a_hung_write_times_out_with_etimedout_and_its_tier_fails_over(two_tiers, caplog):
     opt, ref, engines = build(two_tiers, hanging=True, io_timeout_s=2.0)
     with opt:

@@ -211,3 +211,54 @@ def test_checksum_off_reads_without_verifying(tier_dirs):
         opt.step(grads_for(0, torch.bfloat16))
         assert opt.last_step_stats["tiers"][0]["checksum_s"] == 0.0
         assert all(r.crc is None for r in opt.stores[0].records.values())
+
+
+def _flip_newest_slot_byte(store, sg, where=100):
+    rec = store.records[sg.index]
+    pos = rec.offsets[rec.current] + where
+    fd = os.open(store.file_path, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, pos)
+        os.pwrite(fd, bytes([byte[0] ^ 0xFF]), pos)
+    finally:
+        os.close(fd)
+
+
+def test_a_step_after_one_that_failed_part_way_is_refused_until_the_state_is_restored(tier_dirs, tmp_path):
+    """Corrupt the newest slot of a stored subgroup, step (IntegrityError), restore the byte: the
+    next step must not apply that step a second time to the subgroups it had already updated."""
+    from megatron_mlp.errors import PartialStepError
+    opt, ref = make(tier_dirs, 1, subgroup_params=1000, host_cache_bytes=0)
+    with opt:
+        g0, g1 = grads_for(0, torch.bfloat16), grads_for(1, torch.bfloat16)
+        opt.step(g0)
+        ref.step(g0)
+        torch.save(opt.state_dict(), tmp_path / "ckpt.pt")
+        # The next step runs descending: subgroup 1 is read near its end, after most others were updated.
+        store, sg = opt.stores[0], opt.plan[1]
+        assert sg.index not in opt._resident, "the test needs a subgroup the next step reads"
+        _flip_newest_slot_byte(store, sg)
+        with pytest.raises(IntegrityError):
+            opt.step(g1)
+        _flip_newest_slot_byte(store, sg)   # the byte restored: the slot is whole again
+        with pytest.raises(PartialStepError, match="stopped part-way .*IntegrityError.*Restore the state"):
+            opt.step(g1)
+        opt.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=False))
+        opt.step(g1)
+        ref.step(g1)
+        assert_state_equal(opt, ref)
+
+
+def test_a_step_interrupted_by_its_callback_refuses_the_next_step(tier_dirs):
+    from megatron_mlp.errors import PartialStepError
+    opt, _ = make(tier_dirs, 1, subgroup_params=1000, host_cache_bytes=0)
+
+    def interrupt(start, end):
+        if start >= 3000:
+            raise KeyboardInterrupt
+
+    with opt:
+        with pytest.raises(KeyboardInterrupt):
+            opt.step(grads_for(0, torch.bfloat16), on_subgroup_done=interrupt)
+        with pytest.raises(PartialStepError, match="KeyboardInterrupt"):
+            opt.step(grads_for(0, torch.bfloat16))

@@ -248,3 +248,50 @@ def test_sigterm_cleanup_finishes_a_removal_it_interrupts_when_the_rank_was_alre
     monkeypatch.setattr(os, "unlink", unlink)
     s.remove()
     assert interrupted and not os.path.exists(s.path)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_scratch_of_a_dead_owner_whose_lock_is_still_held_is_reported_not_taken_for_live(disk_dir):
+    # The lock is held (here by this process, as by a forked child that outlived its owner) while
+    # the pid in owner.json is gone.
+    s = create_scratch_dir(disk_dir, "forkjob-r0-p1", job_id="forkjob")
+    try:
+        with open(os.path.join(s.path, OWNER_FILE), "w") as f:
+            json.dump({"pid": _dead_pid(), "host": socket.gethostname()}, f)
+        scan = clean_stale_scratch(disk_dir)
+        assert not scan.removed and [d for d, _ in scan.reported] == [s.path]
+        assert "its lock is still held" in scan.reported[0][1] and os.path.isdir(s.path)
+    finally:
+        s.remove()
+
+
+_FORKING_OWNER = textwrap.dedent("""
+    import os, sys, time
+    from megatron_mlp.tier.scratch import create_scratch_dir
+    s = create_scratch_dir(sys.argv[1], "forkjob-r0-p1", job_id="forkjob")
+    child = os.fork()
+    if child == 0:           # a data-loader worker, say: outlives its parent
+        time.sleep(60)
+        os._exit(0)
+    print(s.path, child, flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_forked_child_that_outlives_its_killed_owner_does_not_keep_the_scratch_alive(disk_dir):
+    owner = subprocess.Popen([sys.executable, "-c", _FORKING_OWNER, disk_dir], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": REPO})
+    path, child = owner.stdout.readline().split()
+    try:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        scan = clean_stale_scratch(disk_dir)
+        assert [d for d, _ in scan.removed] == [path] and not os.path.exists(path)
+    finally:
+        os.kill(int(child), signal.SIGKILL)
+        owner.stdout.close()

@@ -17,6 +17,7 @@ def run(capsys, *argv):
 
 
 def test_json_plan_splits_state_by_declared_bandwidth_when_calibration_off(capsys, tmp_path):
+    (tmp_path / "fast").mkdir(), (tmp_path / "slow").mkdir()   # plan creates nothing
     paths = f"{tmp_path}/fast:bw=6GB/s,rw=separate;{tmp_path}/slow:bw=3GB/s,rw=separate"
     rc, out, err = run(capsys, "--paths", paths, "--num-params", "300M", "--subgroup-params", "10M",
                        "--ranks-per-node", "1", "--calibration", "off", "--working-buffers", "0", "--json")
@@ -32,6 +33,7 @@ def test_json_plan_splits_state_by_declared_bandwidth_when_calibration_off(capsy
 
 
 def test_table_lists_every_tier_with_predicted_time_and_lower_bound(capsys, tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     rc, out, _ = run(capsys, "--paths", f"{tmp_path}/a;{tmp_path}/b:bw=2GB/s", "--num-params", "1B",
                      "--subgroup-params", "100M", "--ranks-per-node", "4", "--host-cache-bytes", "2.4GB",
                      "--calibration", "off")
@@ -106,3 +108,31 @@ def test_parse_count_and_layout():
     with pytest.raises(ConfigError):
         parse_count("-1", "--x")
     assert subgroup_layout(25, 10) == [10, 10, 5] and subgroup_layout(20, 10) == [10, 10]
+
+
+def test_plan_creates_nothing_and_says_the_path_does_not_exist_when_a_tier_path_is_missing(capsys, tmp_path):
+    rc, out, err = run(capsys, "--paths", f"{tmp_path}/nope/deeper", "--num-params", "1M", "--ranks-per-node", "1",
+                       "--calibration", "off")
+    assert rc == 2 and f"--paths: {tmp_path}/nope/deeper does not exist" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--num-params", "1e30"], "--num-params"),
+    (["--num-params", "10M", "--subgroup-params", "1"], "--subgroup-params"),
+    (["--num-params", "10M", "--subgroup-params", "0.5"], "--subgroup-params"),
+])
+def test_plan_refuses_sizes_beyond_planning_naming_the_flag_when_counts_are_absurd(capsys, tmp_path, argv, flag):
+    import time
+    t0 = time.monotonic()
+    rc, out, err = run(capsys, "--paths", str(tmp_path), "--ranks-per-node", "1", "--calibration", "off", *argv)
+    assert rc == 2 and err.startswith(f"megatron-mlp plan: error: {flag}:"), err
+    assert time.monotonic() - t0 < 5
+
+
+def test_plan_names_the_cache_flag_when_the_calibration_cache_is_under_a_file(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rc, out, err = run(capsys, "--paths", f"{tmp_path}:bw=1GB/s", "--num-params", "1M", "--ranks-per-node", "1",
+                       "--calibration-cache", f"{blocker}/cal.json")
+    assert rc == 2 and f"--calibration-cache: cannot use {blocker}/cal.json as the calibration cache" in err, err

@@ -41,10 +41,11 @@ def test_error_names_path_and_flag_when_directory_is_not_writable(tmp_path):
         validate_tier_paths((TierSpec(str(d)),))
 
 
-def test_error_names_path_and_flag_when_directory_is_not_writable_even_for_root(tmp_path):
+def test_error_says_proc_is_a_kernel_interface_when_a_tier_is_on_procfs(tmp_path):
     if not os.path.isdir("/proc/self"):
-        pytest.skip("needs procfs for a directory nobody can write")
-    with pytest.raises(ConfigError, match="--mlp-offload-paths: /proc/self is not writable"):
+        pytest.skip("needs procfs mounted at /proc")
+    with pytest.raises(ConfigError, match="--mlp-offload-paths: /proc/self is on a proc file system, a kernel "
+                                          "interface, not storage"):
         validate_tier_paths((TierSpec("/proc/self"),))
 
 
@@ -106,16 +107,30 @@ def test_warning_and_buffered_when_file_system_refuses_o_direct(tmp_path, monkey
 
     from megatron_mlp.tier import validation
 
-    real_open = os.open
+    real_fcntl = validation.fcntl.fcntl
 
-    def refusing_open(path, flags, *args):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument", path)
-        return real_open(path, flags, *args)
+    def refusing_fcntl(fd, cmd, *args):
+        # As a file system without O_DIRECT answers F_SETFL with O_DIRECT.
+        if cmd == validation.fcntl.F_SETFL and args and args[0] & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_fcntl(fd, cmd, *args)
 
-    monkeypatch.setattr(validation.os, "open", refusing_open)
+    monkeypatch.setattr(validation.fcntl, "fcntl", refusing_fcntl)
     v = validate_tier_paths((TierSpec(str(tmp_path)),))
     c = v.checks[0]
     assert c.o_direct is False and "EINVAL" in c.o_direct_reason
     assert any(str(tmp_path) in w and "buffered" in w for w in v.warnings)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_colon_in_a_path_is_written_escaped_when_it_belongs_to_the_path():
+    specs = parse_tier_paths(r"/data/run\:1:bw=2GB/s;/plain")
+    assert [s.path for s in specs] == ["/data/run:1", "/plain"]
+    assert specs[0].read_bytes_per_s == 2e9 and specs[1].read_bytes_per_s is None
+
+
+def test_error_says_colon_starts_options_when_a_path_with_a_colon_is_not_escaped():
+    with pytest.raises(ConfigError) as e:
+        parse_tier_paths("/x/a:b")
+    msg = str(e.value)
+    assert "':' starts the options of path /x/a" in msg and "'b' is not key=value" in msg and r"'\:'" in msg

@@ -11,8 +11,11 @@
 
 namespace mlp {
 
+// Every open refuses to follow a symlink at the last component (O_NOFOLLOW): tier directories
+// may be writable by others, and a name swapped for a symlink must never redirect our writes.
 struct OpenOptions {
     bool create = true;
+    bool exclusive = false;      // with create: fail with EEXIST unless this open creates the file
     bool truncate = false;
     bool read_only = false;
     bool direct = true;
@@ -42,6 +45,10 @@ public:
     bool closed() const;
     Status size(int64_t* out) const;
     Status sync() const;
+    // posix_fallocate(0, nbytes) and POSIX_FADV_DONTNEED through the open descriptor, so callers
+    // never reopen the file by name to do either.
+    Status allocate(int64_t nbytes) const;
+    Status drop_page_cache() const;
 
 private:
     std::string path_;

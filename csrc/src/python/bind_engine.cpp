@@ -108,6 +108,18 @@ void bind_engine(py::module_& m) {
                 st = f.sync();
             }
             return py::make_tuple(st.err, st.message);
+        })
+        .def("allocate", [](const File& f, int64_t nbytes) {
+            Status st;
+            {
+                py::gil_scoped_release nogil;
+                st = f.allocate(nbytes);
+            }
+            return py::make_tuple(st.err, st.message);
+        }, py::arg("nbytes"))
+        .def("drop_page_cache", [](const File& f) {
+            Status st = f.drop_page_cache();
+            return py::make_tuple(st.err, st.message);
         });
 
     py::class_<Request, std::shared_ptr<Request>>(m, "Request")
@@ -144,9 +156,10 @@ void bind_engine(py::module_& m) {
         .def(
             "open",
             [](Engine& e, const std::string& path, bool create, bool truncate, bool read_only, bool direct,
-               bool refuse_direct) {
+               bool refuse_direct, bool exclusive) {
                 OpenOptions o;
                 o.create = create;
+                o.exclusive = exclusive;
                 o.truncate = truncate;
                 o.read_only = read_only;
                 o.direct = direct;
@@ -160,7 +173,7 @@ void bind_engine(py::module_& m) {
                 return py::make_tuple(f, st.err, st.message);
             },
             py::arg("path"), py::arg("create"), py::arg("truncate"), py::arg("read_only"), py::arg("direct"),
-            py::arg("refuse_direct"))
+            py::arg("refuse_direct"), py::arg("exclusive") = false)
         .def(
             "submit",
             [](Engine& e, bool write, const std::shared_ptr<File>& f, uintptr_t address, uint64_t length,
