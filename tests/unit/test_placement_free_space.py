@@ -2,14 +2,13 @@
 space, two slots per subgroup, and what does not fit on one path goes to another."""
 from __future__ import annotations
 
-import argparse
 import os
 
 import pytest
 
 from megatron_mlp.config import MLPOffloadConfig
 from megatron_mlp.errors import TierCapacityError
-from megatron_mlp.tier.plan_cli import make_plan
+from megatron_mlp.tier.plan_cli import build_parser, make_plan
 
 pytest.importorskip("megatron_mlp._C", reason="the C++ core is not built")
 
@@ -41,10 +40,9 @@ def small_beside_large(disk_dir, monkeypatch):
 
 
 def _plan(paths, num_params):
-    args = argparse.Namespace(paths=paths, num_params=str(num_params), subgroup_params=str(SUBGROUP),
-                              ranks_per_node=1, data_parallel_size=None, host_cache_bytes="0",
-                              cache_model="alternate", working_buffers=None, calibration="off",
-                              calibration_cache=None, no_probe=False, json=True)
+    # The command's own parser, so that a flag added to plan keeps its default here.
+    args = build_parser().parse_args(["--paths", paths, "--num-params", str(num_params), "--subgroup-params",
+                                      str(SUBGROUP), "--ranks-per-node", "1", "--calibration", "off", "--json"])
     return make_plan(args)["placement"]
 
 
