@@ -15,6 +15,7 @@ SUFFIXES = (".png", ".svg", ".pdf")
 # One colour per kind of span, so a lane reads at a glance: what moved data, what waited.
 SPAN_COLORS = {"fetch": "tab:blue", "write-back": "tab:orange", "token wait": "tab:red",
                "adam": "tab:green", "wait for read": "tab:gray", "wait for gradient": "silver",
+               "wait for write-back": "khaki",
                "grad copy": "tab:purple", "param copy": "tab:brown"}
 
 
@@ -162,10 +163,14 @@ def plot_timeline(doc: dict, path: str, title: str = "", flag: str = "-o") -> st
         for e in spans:
             color = SPAN_COLORS.get(e["name"], "lightsteelblue" if e["name"].startswith("update") else "tab:olive")
             label = e["name"] if not e["name"].startswith("update") else "update (whole step)"
-            ax.broken_barh([((e["ts"] - t0) / 1e3, max(e["dur"], 1.0) / 1e3)], (row - 0.38, 0.76),
-                           facecolors=color, edgecolor="none",
-                           label=None if label in seen else label)
+            start, width = (e["ts"] - t0) / 1e3, max(e["dur"], 1.0) / 1e3
+            # A thin white edge keeps back-to-back spans (kernel calls, steps) apart.
+            ax.broken_barh([(start, width)], (row - 0.38, 0.76), facecolors=color, edgecolor="white",
+                           linewidth=0.4, label=None if label in seen else label)
             seen.add(label)
+            if e["name"].startswith("update"):
+                ax.text(start + width / 2, row, "step " + e["name"].split()[-1], ha="center", va="center",
+                        fontsize=8)
     ax.set_yticks(range(len(lanes)), [_short(name, 40) for name, _ in lanes], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds")

@@ -470,7 +470,10 @@ class OffloadAdam:
                         # Only retained (failed-flush) buffers hold the pool: go over budget rather than stall.
                         idx = to_fetch.pop(0)
                         start_fetch(idx, pool.try_acquire(force=True))
-                    stats.wait_s += time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    stats.wait_s += t1 - t0
+                    if self.trace is not None:
+                        self.trace.span("kernel", "wait for read", t0, t1)   # nothing fetched is ready
                     continue
                 remaining.remove(pick)
                 sg = plan[pick]
@@ -535,7 +538,10 @@ class OffloadAdam:
                 # bounds the memory: a flush in flight keeps its buffer from the next fetch.
                 while sum(1 for _, tier, _ in flushing.values() if tier is store) >= max_flushes:
                     self._reap(flushing, errors, block=True)
-                stats.wait_s += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                stats.wait_s += t1 - t0
+                if self.trace is not None and t1 - t0 > 1e-5:
+                    self.trace.span("kernel", "wait for write-back", t0, t1, subgroup=sg.index)
                 flushing[store.flush(sg, buf, crc=crc)] = (sg, store, buf)
         finally:
             # Never leave I/O running against buffers we are about to reuse.
