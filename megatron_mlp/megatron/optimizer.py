@@ -389,7 +389,8 @@ class _OffloadInner:
         start = host(t["d2h_start"])
         for lo, hi, event in self._chunk_events:
             end = host(event)
-            trace.span("D2H", "grad copy", start, end, elements=hi - lo, bytes=(hi - lo) * self._grads_host.element_size())
+            trace.span("D2H", "grad copy", start, end, elements=hi - lo,
+                       bytes=(hi - lo) * self._grads_host.element_size())
             start = end
         for first, last, moved in t.get("h2d", []):
             trace.span("H2D", "param copy", host(first), host(last), bytes=moved)
