@@ -82,31 +82,26 @@ def plot_plan(plan: dict, path: str, flag: str = "--plot") -> str:
     ax.legend(fontsize=8)
 
     ax = axes[2]
+    # Every subgroup has its home on a tier; the host cache holds copies of some of them (with the
+    # alternating order, the ones at both ends, which skip a read or a write each step).
     state = cfg["state_bytes_per_rank"] or 1
     cached = pl.get("cached_bytes", 0)
-    shares = [max(0, t["stored_bytes"] - _cached_on(pl, j)) for j, t in enumerate(tiers)] + [cached]
     names = [f"tier{j}" for j in range(len(tiers))] + ["host cache"]
-    keep = [(s, n) for s, n in zip(shares, names) if s > 0]
-    if keep:
-        ax.pie([s for s, _ in keep], labels=[f"{n}\n{100 * s / state:.0f}%" for s, n in keep],
-               textprops={"fontsize": 8})
-    ax.set_title(f"where the state lives ({state / 1e9:.1f} GB per rank)")
+    values = [t["stored_bytes"] / state * 100 for t in tiers] + [cached / state * 100]
+    colors = ["tab:blue"] * len(tiers) + ["tab:green"]
+    ax.barh(names, values, color=colors)
+    for y, v in enumerate(values):
+        ax.text(v, y, f" {v:.0f}%", va="center", fontsize=8)
+    ax.set_xlim(0, 115)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"% of the state per rank ({state / 1e9:.1f} GB)")
+    ax.set_title(f"host-memory share: {cached / 1e9:.1f} GB in the cache", fontsize=10)
     fig.suptitle(f"MLP-Offload plan: {cfg['num_params']:,} params, {cfg['data_parallel_size']} ranks, "
                  f"{cfg['num_subgroups']} subgroups per rank", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
-
-
-def _cached_on(pl: dict, j: int) -> int:
-    """Bytes of tier ``j``'s subgroups that the host cache holds (they move no bytes)."""
-    cached = set(pl.get("cached_subgroups", []))
-    subs = pl["tiers"][j]["subgroups"]
-    if not subs or not cached:
-        return 0
-    per = pl["tiers"][j]["stored_bytes"] / len(subs)
-    return int(per * sum(1 for s in subs if s in cached))
 
 
 def _short(path: str, width: int = 18) -> str:
