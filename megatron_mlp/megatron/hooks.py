@@ -8,7 +8,8 @@ Three names, verified stable from core_r0.13.0 to main (see DESIGN.md):
   factory builds ``MLPOffloadDistributedOptimizer`` when ``--mlp-offload`` is on (all arguments
   are passed through: the signature changed in 0.16);
 * ``megatron.training.training.training_log`` -- wrapped to print our timers, which Megatron's
-  hard-coded timer list does not know.
+  hard-coded timer list does not know, and to write the offload metrics with the TensorBoard /
+  W&B writers Megatron built (``megatron.training.global_vars``).
 
 ``python -m megatron_mlp.launch`` calls :func:`install`; so does the one line a patched
 ``pretrain_gpt.py`` carries (``import megatron_mlp.megatron.hooks as _mlp_offload; _mlp_offload.install()``).

@@ -704,7 +704,7 @@ class OffloadAdam:
         if self._grads_ready is not None:   # the gradient slice may still be on its way in
             self._grads_ready(sg.start, sg.end)
             waited = time.perf_counter() - t_start
-            if trace is not None:
+            if trace is not None and waited > 1e-5:   # a slice already on the host is no wait
                 trace.span("kernel", "wait for gradient", t_start, t_start + waited, subgroup=sg.index)
         views = _views(sg, buf)
         grad = grads[sg.start:sg.end]
