@@ -13,6 +13,7 @@ write lanes), ``kernel`` (the fused Adam calls and the compute thread's waits), 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
@@ -21,6 +22,7 @@ import time
 
 from megatron_mlp.errors import ConfigError
 
+logger = logging.getLogger("megatron_mlp.observe.trace")
 # A window holds a few steps; this bounds memory if a step ever produces far more spans than planned.
 MAX_EVENTS = 2_000_000
 _WINDOW_RE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
@@ -115,7 +117,13 @@ class StepTrace:
             return
         self.active = False
         if step >= self.window[1] and not self.written and self._events:
-            self.write()
+            try:
+                self.write()
+            except OSError as e:
+                # The directory was proven writable at start; losing the trace later (disk full,
+                # directory removed) must not stop the training.
+                self.written = True
+                logger.warning("--mlp-offload-trace: writing %s failed, the trace is lost: %s", self.path, e)
 
     # -- recording -----------------------------------------------------------------------------
     def span(self, lane: str, name: str, t0: float, t1: float, **args) -> None:

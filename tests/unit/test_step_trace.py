@@ -106,3 +106,11 @@ def test_update_phase_shows_as_a_profiler_range_when_a_pytorch_profiler_runs(dis
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             _run(opt, 1)
     assert "mlp-offload/update" in {e.key for e in prof.key_averages()}
+
+
+def test_training_goes_on_when_the_trace_cannot_be_written_at_the_windows_end(tmp_path, caplog):
+    trace = StepTrace(str(tmp_path / "gone" / "t.json"), (1, 1))   # its directory vanished meanwhile
+    trace.begin_step(1)
+    trace.span("kernel", "adam", 0.0, 1.0)
+    trace.end_step(1)
+    assert trace.written and "the trace is lost" in caplog.text
