@@ -70,3 +70,16 @@ def test_take_metrics_finds_the_inner_optimizer_when_megatron_chains_optimizers(
 
     Inner.metrics.add_step(_step(8, 8, 1.0, 1.0, peak=1))
     assert take_metrics([Chained()])[PREFIX + "tier0-bytes-read"] == 8
+
+
+def test_megatron_writers_are_none_when_megatron_has_neither_or_fails_to_give_one():
+    from types import SimpleNamespace
+
+    from megatron_mlp.megatron.hooks import megatron_writers
+
+    def broken():
+        raise RuntimeError("writer failed to start")
+
+    assert megatron_writers(SimpleNamespace()) == (None, None)
+    tb = object()
+    assert megatron_writers(SimpleNamespace(get_tensorboard_writer=lambda: tb, get_wandb_writer=broken)) == (tb, None)
