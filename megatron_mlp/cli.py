@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("megatron_mlp.tier.plan_cli", "print the placement of optimizer state over the tiers, with predicted times"),
     "calibrate": ("megatron_mlp.tier.calibrate_cli", "measure and cache each tier path's read/write bandwidth"),
     "slurm": ("megatron_mlp.slurm", "render a ready Slurm job script"),
+    "timeline": ("megatron_mlp.observe.timeline_cli", "draw a step trace (--mlp-offload-trace) as lanes in a PNG"),
 }
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "io": ("megatron_mlp.bench.io", "engine sequential O_DIRECT bandwidth vs fio (and DeepSpeed aio)"),

@@ -88,6 +88,12 @@ class MLPOffloadConfig:
     bf16 on the GPU right before the copy (one rounding after fp32 accumulation and reduction):
     half the bytes leave the GPU and sit in host memory. Megatron-LM's --bf16 reduces in fp32
     unless --grad-reduce-in-bf16 is given."""
+    trace_dir: str | None = None
+    """--mlp-offload-trace: directory where each rank writes a Chrome trace (Perfetto) of the steps in
+    ``trace_steps``: one span per tier fetch / write-back, token wait, kernel call and copy. None: off."""
+    trace_steps: tuple[int, int] = (2, 4)
+    """--mlp-offload-trace-steps: first and last step (inclusive, counted from 1 as Megatron's
+    iterations) that the trace covers."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """Free-form annotations (job id, ...); never read by the components."""
 
@@ -122,6 +128,11 @@ class MLPOffloadConfig:
         if self.calibration not in CALIBRATION_MODES and not os.path.isfile(self.calibration):
             raise ConfigError(f"--mlp-offload-calibration: {self.calibration!r} is neither 'auto', 'off' nor an "
                               "existing calibration file (write one with: megatron-mlp calibrate --cache FILE)")
+        from megatron_mlp.observe.trace import check_writable_dir, parse_trace_steps
+        object.__setattr__(self, "trace_steps", parse_trace_steps(self.trace_steps))
+        if self.trace_dir is not None:
+            # Proven writable now, not when the window's last step ends hours into the run.
+            object.__setattr__(self, "trace_dir", check_writable_dir(self.trace_dir, "--mlp-offload-trace"))
 
     @classmethod
     def from_paths(cls, paths: str, **kwargs) -> "MLPOffloadConfig":

@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-interference", action="store_true",
                    help="skip measuring each real tier alongside the Adam kernel (bench interference)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="write a Chrome trace (Perfetto) of MLP-Offload's steps in --trace-steps to FILE "
+                        "(FILE.rank<N> for ranks after the first); draw it with: megatron-mlp timeline FILE")
+    p.add_argument("--trace-steps", default=None, metavar="FIRST-LAST",
+                   help="the steps of MLP-Offload's run to trace (default: 3-4, after the warm-up)")
     return p
 
 
@@ -274,6 +279,9 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
             barrier.wait()
             opt = OffloadAdam(_config(args, tiers, **overrides), [(0, numel)], [{"lr": 1e-3}], None,
                               rank=rank, ranks_per_node=args.ranks)
+            if name == MLP_NAME and getattr(args, "trace", None):
+                from megatron_mlp.observe.trace import StepTrace
+                opt.attach_trace(StepTrace(_trace_path(args.trace, rank), args.trace_window, rank))
             steps, stats = [], []
             try:
                 for _ in range(args.steps):
@@ -299,6 +307,10 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
     if queue is not None:
         queue.put(result)
     return result
+
+
+def _trace_path(path: str, rank: int) -> str:
+    return path if rank == 0 else f"{path}.rank{rank}"
 
 
 def _baseline_step(base, grads, params_out, barrier) -> tuple[float, float]:
@@ -620,6 +632,14 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--adam-threads: {args.adam_threads} must be 0 (automatic) or a thread count")
     if args.num_params // args.ranks <= 0:
         raise ConfigError(f"--num-params: {args.num_params} is fewer than one per rank (--ranks {args.ranks})")
+    if args.trace_steps is not None and not args.trace:
+        raise ConfigError("--trace-steps: give --trace FILE too (where the trace goes)")
+    if args.trace:
+        from megatron_mlp.observe.trace import check_window_in_run, check_writable_file, parse_trace_steps
+        args.trace = check_writable_file(args.trace, "--trace")
+        args.trace_window = parse_trace_steps(args.trace_steps or f"{min(3, args.steps)}-{min(4, args.steps)}",
+                                              "--trace-steps")
+        check_window_in_run(args.trace_window, args.steps, "--trace-steps", "--steps")
     runtime = tempfile.TemporaryDirectory(prefix="mlp-bench-tokens-")
     args.runtime_dir = runtime.name
     try:
@@ -651,6 +671,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"bench update: a rank failed: {errors[0]}")
             results.sort(key=lambda r: r["rank"])
         summary = summarize(args, measured, bandwidth, results)
+        if args.trace:
+            summary["trace_files"] = [_trace_path(args.trace, r) for r in range(args.ranks)]
     finally:
         runtime.cleanup()
     if args.json:

@@ -128,6 +128,14 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "--grad-reduce-in-bf16). 'bf16': an fp32 shard is rounded to bf16 on the GPU right "
                         "before the copy (one rounding after fp32 accumulation and reduction; half the "
                         "device-to-host bytes and host memory).")
+    g.add_argument("--mlp-offload-trace", default=None, metavar="DIR",
+                   help="Write a Chrome trace (open in Perfetto or chrome://tracing; draw with "
+                        "'megatron-mlp timeline') of the steps in --mlp-offload-trace-steps to "
+                        "DIR/mlp-offload-trace-rank<N>.json: one span per tier fetch and write-back, token "
+                        "wait, Adam kernel call and gradient/param copy, with bytes and subgroup ids.")
+    g.add_argument("--mlp-offload-trace-steps", default="2-4", metavar="FIRST-LAST",
+                   help="The iterations --mlp-offload-trace covers (inclusive; one number for one step). "
+                        "Must end within --train-iters.")
     g.add_argument("--mlp-offload-cpu", action="store_true", default=False,
                    help=f"Smoke runs without a GPU: map CUDA onto the CPU (gloo) before Megatron is "
                         f"imported. Same as {ENV_CPU}=1. Use with --transformer-impl local --mock-data "
@@ -230,8 +238,19 @@ def config_from_args(args) -> MLPOffloadConfig | None:
         deferred_upcast=args.mlp_offload_deferred_upcast,
         warm_buffers=args.mlp_offload_warm_buffers,
         grad_transfer=getattr(args, "mlp_offload_grad_transfer", "auto"),
+        trace_dir=getattr(args, "mlp_offload_trace", None),
+        trace_steps=_trace_steps(args),
         extra={"job_id": _job_id(args.mlp_offload_job_id), "num_nodes": num_nodes_from_env()},
     )
+
+
+def _trace_steps(args) -> tuple[int, int]:
+    """The --mlp-offload-trace-steps window, refused at start when it ends after --train-iters."""
+    from megatron_mlp.observe.trace import check_window_in_run, parse_trace_steps
+    window = parse_trace_steps(getattr(args, "mlp_offload_trace_steps", "2-4"), "--mlp-offload-trace-steps")
+    if getattr(args, "mlp_offload_trace", None):
+        check_window_in_run(window, getattr(args, "train_iters", None))
+    return window
 
 
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.+-]{1,64}$")

@@ -8,7 +8,8 @@ Three names, verified stable from core_r0.13.0 to main (see DESIGN.md):
   factory builds ``MLPOffloadDistributedOptimizer`` when ``--mlp-offload`` is on (all arguments
   are passed through: the signature changed in 0.16);
 * ``megatron.training.training.training_log`` -- wrapped to print our timers, which Megatron's
-  hard-coded timer list does not know.
+  hard-coded timer list does not know, and to write the offload metrics with the TensorBoard /
+  W&B writers Megatron built (``megatron.training.global_vars``).
 
 ``python -m megatron_mlp.launch`` calls :func:`install`; so does the one line a patched
 ``pretrain_gpt.py`` carries (``import megatron_mlp.megatron.hooks as _mlp_offload; _mlp_offload.install()``).
@@ -120,12 +121,28 @@ def offload_timer_names(timers) -> list[str]:
     return sorted(name for name in getattr(timers, "_timers", {}) if name.startswith(TIMER_PREFIX))
 
 
-def wrap_training_log(training_log, get_args, get_timers):
+def megatron_writers(global_vars) -> tuple:
+    """(TensorBoard writer, W&B writer) as Megatron configured them from ``--tensorboard-dir`` /
+    ``--wandb-project`` (each None where not configured, or not on this rank: Megatron gives them
+    to the last rank only)."""
+    out = []
+    for name in ("get_tensorboard_writer", "get_wandb_writer"):
+        getter = getattr(global_vars, name, None)
+        try:
+            out.append(getter() if getter is not None else None)
+        except Exception:  # noqa: BLE001 -- a writer Megatron failed to set up: no metrics, training goes on
+            out.append(None)
+    return tuple(out)
+
+
+def wrap_training_log(training_log, get_args, get_timers, get_writers=None):
     """Megatron's per-iteration log, followed by our timers every ``--log-interval`` iterations.
 
     Megatron prints a hard-coded list of timers; ours (``optimizer-mlp-offload-*``, registered at
     ``--timing-log-level 2``) are printed the same way, normalized by the log interval, and reset.
     ``Timers.log`` gathers from all ranks: every rank calls this at the same iterations.
+    ``get_writers()`` returns Megatron's (TensorBoard, W&B) writers: the interval's offload metrics
+    (observe/metrics.py, names under ``mlp-offload/``) go to those that exist on this rank.
     """
     if _hooked(training_log):
         return training_log
@@ -146,6 +163,11 @@ def wrap_training_log(training_log, get_args, get_timers):
             line = tier_bytes_line(list(_built), interval)
             if line:
                 _print_rank_0(line)
+            from megatron_mlp.observe.metrics import take_metrics, write_scalars
+
+            metrics = take_metrics(list(_built))   # taken on every rank: each interval starts anew
+            if metrics and get_writers is not None:
+                write_scalars(metrics, iteration, *get_writers())
         return result
 
     return _mark(hooked)
@@ -169,7 +191,8 @@ def install(argv: list[str] | None = None) -> None:
     training_module.get_megatron_optimizer = wrap_get_megatron_optimizer(
         training_module.get_megatron_optimizer, global_vars.get_args)
     training_module.training_log = wrap_training_log(
-        training_module.training_log, global_vars.get_args, global_vars.get_timers)
+        training_module.training_log, global_vars.get_args, global_vars.get_timers,
+        lambda: megatron_writers(global_vars))
 
 
 def installed() -> bool:

@@ -44,6 +44,8 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_mlp.errors import TierFailure
 from megatron_mlp.megatron.timers import report_step_timers
+from megatron_mlp.observe.metrics import IntervalMetrics
+from megatron_mlp.observe.ranges import phase
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +127,9 @@ class _OffloadInner:
         self.tier_failure = None   # a TierFailure after a completed step, for the outer optimizer
         # Bytes each tier read and wrote since the training log last took them (take_tier_bytes).
         self.tier_bytes: dict[str, list[int]] = {}
+        self.metrics = IntervalMetrics()   # taken by the training-log hook for Megatron's writers
+        self._trace = None                 # the StepTrace while a step runs (copies' spans)
+        self._chunk_events: list = []      # this step's gradient chunks and events, for the trace
         _log_grad_transfer(grad_dtype, self.transfer_dtype, numel, grad_transfer)
 
     @property
@@ -139,9 +144,29 @@ class _OffloadInner:
 
     @torch.no_grad()
     def step(self, closure=None):
+        # The step's timeline (--mlp-offload-trace) opens here, so that it holds the copies too.
+        trace = getattr(self.offload, "trace", None)
+        self._trace = trace
+        step_no = self.num_steps + 1
+        if trace is not None:
+            trace.begin_step(step_no)
+        try:
+            with phase("optimizer-step"):
+                self._step()
+            if trace is not None and trace.active and self._cuda:
+                self._trace_device_copies(trace)
+        finally:
+            if trace is not None:
+                trace.end_step(step_no)
+            self._trace = None
+        self.metrics.add_step(getattr(self.offload, "last_step_stats", None), self.last_stats)
+        return None
+
+    def _step(self):
         t0 = time.perf_counter()
         self._timing = {"h2d": []}
-        self._start_grad_copies(self._grad_chunks())
+        with phase("grad-d2h"):
+            self._start_grad_copies(self._grad_chunks())
         t1 = time.perf_counter()
         waited = [0.0]
         pending = []
@@ -174,6 +199,7 @@ class _OffloadInner:
             # The kernels are done: an event on the idle D2H stream marks the moment, so that the
             # H2D copies' tail after it can be read off the GPU's clock.
             self._timing["kernels_done"] = self._record_event(self._d2h_stream)
+            self._timing["kernels_done_host"] = time.perf_counter()
         if not pending and self._numel:
             # An offload optimizer that does not call back: copy everything at the end.
             self._copy_params_to_device(0, self._numel)
@@ -268,7 +294,11 @@ class _OffloadInner:
         self._grad_events = []
         if not self._cuda:
             for start, end in chunks:
+                t0 = time.perf_counter()
                 self._copy_grad_range(start, end)
+                if self._trace is not None:
+                    self._trace.span("D2H", "grad copy", t0, time.perf_counter(), elements=end - start,
+                                     bytes=(end - start) * self._grads_host.element_size())
             return
         self._d2h_stream.wait_stream(torch.cuda.current_stream())   # the gradients are reduced
         with torch.cuda.stream(self._d2h_stream):
@@ -277,6 +307,7 @@ class _OffloadInner:
                 self._copy_grad_range(start, end)
                 self._grad_events.append((start, end, self._record_event(self._d2h_stream)))
             self._timing["d2h_end"] = self._record_event(self._d2h_stream)
+        self._chunk_events = list(self._grad_events)   # _wait_for_grads consumes the other list
 
     def _copy_grad_range(self, start: int, end: int) -> None:
         for s in self._segments:
@@ -322,6 +353,7 @@ class _OffloadInner:
         if ctx is not None:
             ctx.__enter__()
             first = self._record_event(self._h2d_stream)
+        t0 = time.perf_counter()
         try:
             moved = 0
             for s in self._segments:
@@ -336,7 +368,33 @@ class _OffloadInner:
             if ctx is not None:
                 self._timing.setdefault("h2d", []).append((first, self._record_event(self._h2d_stream), moved))
                 ctx.__exit__(None, None, None)
+            elif self._trace is not None and done:
+                self._trace.span("H2D", "param copy", t0, time.perf_counter(), bytes=moved,
+                                 elements=sum(hi - lo for lo, hi in done))
         return done
+
+    def _trace_device_copies(self, trace) -> None:
+        """The step's device copies as spans, read off CUDA events (traced steps only: it waits
+        for them). The GPU clock is placed on the host's by the event recorded right after the
+        kernels, on the idle D2H stream: it ran when it was recorded."""
+        t = self._timing
+        anchor, anchor_host = t.get("kernels_done"), t.get("kernels_done_host")
+        if anchor is None or "d2h_start" not in t:
+            return
+        anchor.synchronize()
+
+        def host(event) -> float:
+            event.synchronize()
+            return anchor_host + anchor.elapsed_time(event) / 1e3
+
+        start = host(t["d2h_start"])
+        for lo, hi, event in self._chunk_events:
+            end = host(event)
+            trace.span("D2H", "grad copy", start, end, elements=hi - lo,
+                       bytes=(hi - lo) * self._grads_host.element_size())
+            start = end
+        for first, last, moved in t.get("h2d", []):
+            trace.span("H2D", "param copy", host(first), host(last), bytes=moved)
 
 
 def _parameters(fn) -> set:

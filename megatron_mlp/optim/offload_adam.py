@@ -135,6 +135,10 @@ class OffloadAdam:
             self._finalizer()   # nothing half-configured: the tiers already set up are removed now
             raise
         self._store_of = {s.index: s for s in self.stores}
+        self.trace = None   # a StepTrace (observe/trace.py): --mlp-offload-trace, or attach_trace
+        if getattr(config, "trace_dir", None):
+            from megatron_mlp.observe.trace import StepTrace, trace_file
+            self.attach_trace(StepTrace(trace_file(config.trace_dir, rank), config.trace_steps, rank))
 
         buf_bytes = max(self.plan.max_region_bytes, 4096)
         self.cache_slots = cache_slots(config.host_cache_bytes, buf_bytes, cache_order=config.cache_order)
@@ -169,6 +173,13 @@ class OffloadAdam:
     def host_budget_bytes(self) -> int:
         """The hard host limit: cache budget + working set, in whole buffers."""
         return self.pool.limit_bytes
+
+    def attach_trace(self, trace) -> None:
+        """Record spans of the steps in ``trace``'s window (a ``StepTrace``; None detaches): the tiers'
+        requests, the kernel calls and the waits; the file is written after the window's last step."""
+        self.trace = trace
+        for store in self.stores:
+            store.trace = trace
 
     def grad_stats(self, grads: torch.Tensor) -> tuple[float, bool]:
         """(sum of squares in fp64, found non-finite) of the low-precision gradient, no fp32 copy.
@@ -250,15 +261,23 @@ class OffloadAdam:
             self._held_by_working, keep - kept_in_cache(unpinned, max(0, self.cache_slots - len(self._pinned))))
         hyper = [self._hyper(g) for g in range(len(self.param_groups))]
         self._grads_ready = grads_ready
+        step_no = hyper[0]["step"] if hyper else self._iteration
+        if self.trace is not None:
+            self.trace.begin_step(step_no)
+        from megatron_mlp.observe.ranges import phase
         try:
-            errors = self._run_pipeline(order, keep, held_by_working, grads, params_out, hyper, inv_loss_scale,
-                                        clip_coef, on_subgroup_done, stats)
+            with phase("update"):
+                errors = self._run_pipeline(order, keep, held_by_working, grads, params_out, hyper,
+                                            inv_loss_scale, clip_coef, on_subgroup_done, stats)
         except BaseException as e:
             # Whatever stopped it (IntegrityError, a failed read, Ctrl-C), the step is partly applied.
             self._partial_step = f"step {self.state[0]['step'] if self.state else '?'}: {type(e).__name__}: {e}"
             raise
         finally:
             self._grads_ready = None
+            if self.trace is not None:
+                self.trace.span("step", f"update {step_no}", t_step, time.perf_counter(), subgroups=len(order))
+                self.trace.end_step(step_no)
         stats.step_s = time.perf_counter() - t_step
         stats.peak_host_bytes = self.pool.peak_bytes
         self.last_step_stats = stats.as_dict()
@@ -388,6 +407,11 @@ class OffloadAdam:
         if self._closed:
             return
         self._closed = True
+        if self.trace is not None and not self.trace.written and self.trace.recorded:
+            try:
+                self.trace.write()   # a run that ended inside the window still leaves its spans
+            except OSError as e:
+                logger.warning("--mlp-offload-trace: writing %s failed: %s", self.trace.path, e)
         for t in self._retiring:
             t.join(self.config.io_timeout_s)
         self._finalizer()
@@ -467,7 +491,10 @@ class OffloadAdam:
                         # Only retained (failed-flush) buffers hold the pool: go over budget rather than stall.
                         idx = to_fetch.pop(0)
                         start_fetch(idx, pool.try_acquire(force=True))
-                    stats.wait_s += time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    stats.wait_s += t1 - t0
+                    if self.trace is not None:
+                        self.trace.span("kernel", "wait for read", t0, t1)   # nothing fetched is ready
                     continue
                 remaining.remove(pick)
                 sg = plan[pick]
@@ -532,7 +559,10 @@ class OffloadAdam:
                 # bounds the memory: a flush in flight keeps its buffer from the next fetch.
                 while sum(1 for _, tier, _ in flushing.values() if tier is store) >= max_flushes:
                     self._reap(flushing, errors, block=True)
-                stats.wait_s += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                stats.wait_s += t1 - t0
+                if self.trace is not None and t1 - t0 > 1e-5:
+                    self.trace.span("kernel", "wait for write-back", t0, t1, subgroup=sg.index)
                 flushing[store.flush(sg, buf, crc=crc)] = (sg, store, buf)
         finally:
             # Never leave I/O running against buffers we are about to reuse.
@@ -691,9 +721,12 @@ class OffloadAdam:
         from megatron_mlp.optim.fused_adam import fused_adam_step
         t_start = time.perf_counter()
         waited = 0.0
+        trace = self.trace if self.trace is not None and self.trace.active else None
         if self._grads_ready is not None:   # the gradient slice may still be on its way in
             self._grads_ready(sg.start, sg.end)
             waited = time.perf_counter() - t_start
+            if trace is not None and waited > 1e-5:   # a slice already on the host is no wait
+                trace.span("kernel", "wait for gradient", t_start, t_start + waited, subgroup=sg.index)
         views = _views(sg, buf)
         grad = grads[sg.start:sg.end]
         if not self.config.deferred_upcast and grad.dtype != torch.float32:
@@ -716,14 +749,22 @@ class OffloadAdam:
                     landed[k].result()
                 except BaseException as e:
                     raise _FetchFailed() from e
-                waited += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                waited += t1 - t0
+                if trace is not None and t1 - t0 > 1e-5:
+                    trace.span("kernel", "wait for read", t0, t1, subgroup=sg.index, piece=k)
+            num_threads = threads() if callable(threads) else threads
+            t_kernel = time.perf_counter()
             crcs = fused_adam_step(views["param"][lo:hi], views["exp_avg"][lo:hi], views["exp_avg_sq"][lo:hi],
                                    grad[lo:hi], out[lo:hi] if out is not None else None,
                                    lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
                                    weight_decay=hyper["weight_decay"], step=hyper["step"],
                                    inv_loss_scale=float(inv_loss_scale), clip_coef=float(clip_coef),
-                                   checksums=checksum, num_threads=threads() if callable(threads) else threads,
+                                   checksums=checksum, num_threads=num_threads,
                                    input_checksums=check)
+            if trace is not None:
+                trace.span("kernel", "adam", t_kernel, time.perf_counter(), subgroup=sg.index, piece=k,
+                           elements=hi - lo, threads=num_threads)
             if check:
                 piece_before, crcs = crcs
                 before = tuple(crc32c_combine(a, b, (hi - lo) * 4) for a, b in zip(before, piece_before))

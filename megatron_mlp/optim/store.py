@@ -88,6 +88,7 @@ class TierStore:
     capacity_bytes: int | None = None
     _inode: tuple | None = None
     closed: bool = False
+    trace: object = None          # a megatron_mlp.observe.trace.StepTrace: spans from the timestamps below
 
     @classmethod
     def create(cls, index: int, spec, subgroups: list[Subgroup], *, engine_factory, token_factory,
@@ -246,6 +247,10 @@ class TierStore:
     def write_now(self, sg: Subgroup, buffer) -> None:
         self.flush(sg, buffer).result()
 
+    def _lane(self, direction: str) -> str:
+        from megatron_mlp.observe.trace import tier_lane
+        return tier_lane(self, direction)
+
     def _region(self, sg: Subgroup, buffer):
         import torch
         return buffer.torch(torch.uint8)[: sg.region_bytes]
@@ -260,6 +265,7 @@ class TierStore:
         if token is None:
             return fn()
         t0 = time.perf_counter()
+        waited = False
         if not token.try_acquire():
             fetching = token is self.token
             if fetching:
@@ -267,6 +273,7 @@ class TierStore:
             try:
                 # Bounded like the I/O itself: a holder that never lets go (a stopped process)
                 # must not stall this rank for ever.
+                waited = True
                 if not token.acquire(timeout=self.io_timeout_s):
                     raise TierIOError(errno.ETIMEDOUT, f"the node-level token of tier {self.path} was "
                                       f"not free within {self.io_timeout_s} s (--mlp-offload-io-timeout); "
@@ -274,7 +281,10 @@ class TierStore:
             finally:
                 if fetching:
                     self.token_busy = False
-        self.stats.add(token_wait_s=time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        self.stats.add(token_wait_s=t1 - t0)
+        if waited and self.trace is not None:
+            self.trace.span(self._lane("read" if token is self.token else "write"), "token wait", t0, t1)
         try:
             return fn()
         finally:
@@ -297,7 +307,11 @@ class TierStore:
             else:
                 self._io_pieces(lambda rel, n: self.engine.read(self.handle, region, offset + rel, n, rel), "read",
                                 offset, [sg.piece_ranges(lo, hi) for lo, hi in pieces], on_piece)
-            self.stats.add(fetch_s=time.perf_counter() - t0, bytes_read=sg.region_bytes, fetches=1)
+            t1 = time.perf_counter()
+            self.stats.add(fetch_s=t1 - t0, bytes_read=sg.region_bytes, fetches=1)
+            if self.trace is not None:
+                self.trace.span(self._lane("read"), "fetch", t0, t1, subgroup=sg.index, bytes=sg.region_bytes,
+                                pieces=len(pieces) if pieces else 1)
 
         self._with_token(self.token, read)
         return snapshot
@@ -335,7 +349,11 @@ class TierStore:
                 t0 = time.perf_counter()
                 self._io(lambda: self.write_engine.write(self.write_handle, region, offset), "write", offset,
                          sg.region_bytes)
-                self.stats.add(flush_s=time.perf_counter() - t0, bytes_written=sg.region_bytes, flushes=1)
+                t1 = time.perf_counter()
+                self.stats.add(flush_s=t1 - t0, bytes_written=sg.region_bytes, flushes=1)
+                if self.trace is not None:
+                    self.trace.span(self._lane("write"), "write-back", t0, t1, subgroup=sg.index,
+                                    bytes=sg.region_bytes, slot=slot)
 
             self._with_token(self.write_token, write)
         except BaseException as e:  # noqa: BLE001 -- delivered through the future
@@ -536,7 +554,12 @@ class StreamedFlush:
                 store._io_pieces(lambda rel, n: store.write_engine.write(store.write_handle, self.region,
                                                                          self.offset + rel, n, rel),
                                  "write", self.offset, [sg.piece_ranges(*self.pieces[k])])
-                store.stats.add(flush_s=time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                store.stats.add(flush_s=t1 - t0)
+                if store.trace is not None:
+                    lo, hi = self.pieces[k]
+                    store.trace.span(store._lane("write"), "write-back", t0, t1, subgroup=sg.index, piece=k,
+                                     bytes=sum(n for _, n in sg.piece_ranges(lo, hi)), slot=self.slot)
 
             store._with_token(store.write_token, write)
         except BaseException as e:  # noqa: BLE001 -- delivered by finish()

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not touch the paths (plan for paths that exist only on the compute nodes); "
                         "implies --calibration off unless a file is given")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also draw the plan: each tier's bytes, predicted read and write seconds, and the "
+                        "host-memory share (.png, .svg or .pdf; needs matplotlib)")
     return p
 
 
@@ -186,11 +189,17 @@ def _format_shared(load: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.plot:   # before any probing: a bad suffix or a missing matplotlib fails at once
+            from megatron_mlp.observe.plot import check_plot_target
+            args.plot = check_plot_target(args.plot, "--plot")
         plan = make_plan(args)
     except (ConfigError, TierCapacityError) as e:
         print(f"megatron-mlp plan: error: {e}", file=sys.stderr)
         return 2
     placement = plan.pop("placement")
+    if args.plot:
+        from megatron_mlp.observe.plot import plot_plan
+        plot_plan(dict(plan, placement=placement.to_dict()), args.plot)
     if args.json:
         plan["placement"] = placement.to_dict()
         plan["notes"] = sorted(set(plan["notes"]), key=plan["notes"].index)

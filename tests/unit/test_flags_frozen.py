@@ -29,6 +29,8 @@ FROZEN = {
     "--mlp-offload-no-deferred-upcast": "off",
     "--mlp-offload-no-warm-buffers": "off",
     "--mlp-offload-grad-transfer": "`auto`",
+    "--mlp-offload-trace": "(none)",
+    "--mlp-offload-trace-steps": "`2-4`",
     "--mlp-offload-cpu": "off",
 }
 

@@ -28,6 +28,8 @@ def add_megatron_arguments(parser):
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-signal-handler", action="store_true")
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--wandb-project", default=None)
     # The stand-in's own switches (tests): where each rank writes what it saw, a rank that dies.
     g.add_argument("--standin-result-dir", default=None)
     g.add_argument("--standin-kill-local-rank", type=int, default=None,

@@ -231,6 +231,11 @@ def pretrain():
         result["witness"] = _token_witness(args)
     torch.distributed.barrier()
     result["tiers"] = _tier_listing(args)  # every rank's scratch exists until the ranks exit
+    from megatron.training.global_vars import get_tensorboard_writer
+
+    writer = get_tensorboard_writer()
+    if writer is not None:
+        writer.close()   # as Megatron-LM at exit: the event file is complete on disk
     torch.distributed.barrier()
     if args.standin_result_dir:
         with open(os.path.join(args.standin_result_dir, f"rank{result['rank']}.json"), "w") as f:

@@ -1,0 +1,179 @@
+"""Pictures: the placement a plan predicts, and a recorded step timeline drawn as lanes.
+
+matplotlib is optional (``pip install 'megatron_mlp[plot]'``): every entry point checks it, and the
+output file's suffix, before any work starts (``check_plot_target``), so a bad ``--plot`` or ``-o``
+fails at once and names the flag.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from megatron_mlp.errors import ConfigError
+
+SUFFIXES = (".png", ".svg", ".pdf")
+# One colour per kind of span, so a lane reads at a glance: what moved data, what waited.
+SPAN_COLORS = {"fetch": "tab:blue", "write-back": "tab:orange", "token wait": "tab:red",
+               "adam": "tab:green", "wait for read": "tab:gray", "wait for gradient": "silver",
+               "wait for write-back": "khaki",
+               "grad copy": "tab:purple", "param copy": "tab:brown"}
+
+
+def check_plot_target(path: str, flag: str) -> str:
+    """Refuse an unknown suffix, a missing directory or a missing matplotlib; returns the absolute path."""
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in SUFFIXES:
+        raise ConfigError(f"{flag}: {path!r} has suffix {suffix or '(none)'!r}; use one of {', '.join(SUFFIXES)}")
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ConfigError(f"{flag}: cannot write {path}: {parent} is not a writable directory")
+    _pyplot(flag)
+    return path
+
+
+def _pyplot(flag: str):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")   # files only: no display needed (compute nodes have none)
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ConfigError(f"{flag}: drawing needs matplotlib, which is not installed: "
+                          f"pip install 'megatron_mlp[plot]' (or pip install matplotlib)") from e
+    return plt
+
+
+# ----------------------------------------------------------------------------- the plan
+
+def plot_plan(plan: dict, path: str, flag: str = "--plot") -> str:
+    """Draw ``plan`` (``plan_cli.make_plan``'s dict with ``placement`` as its ``to_dict()``): per tier
+    the bytes stored, the predicted read and write seconds of a step (the slowest tier bounds the
+    update), and where the rank's state lives (each tier's share and the host cache's)."""
+    plt = _pyplot(flag)
+    pl, cfg = plan["placement"], plan["config"]
+    tiers = pl["tiers"]
+    labels = [f"tier{j}\n{_short(t['path'])}" for j, t in enumerate(tiers)]
+    read_s, write_s = [], []
+    for t in tiers:
+        ranks = t["ranks_sharing"] or 1
+        # Each rank gets its share of the node's bandwidth, as in the placement model.
+        read_s.append(t["read_bytes"] * ranks / t["read_bytes_per_s"] if t["read_bytes_per_s"] else 0.0)
+        write_s.append(t["write_bytes"] * ranks / t["write_bytes_per_s"] if t["write_bytes_per_s"] else 0.0)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    ax = axes[0]
+    x = range(len(tiers))
+    ax.bar(x, [t["stored_bytes"] / 1e9 for t in tiers], color="tab:blue", label="stored")
+    ax.bar(x, [(t["read_bytes"]) / 1e9 for t in tiers], width=0.4, color="tab:cyan", label="read per step")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("GB per rank")
+    ax.set_title("optimizer state per tier")
+    ax.legend(fontsize=8)
+
+    ax = axes[1]
+    ax.bar(x, read_s, color="tab:blue", label="read")
+    ax.bar(x, write_s, bottom=read_s, color="tab:orange", label="write")
+    for j, t in enumerate(tiers):
+        ax.plot([j - 0.4, j + 0.4], [t["predicted_seconds"]] * 2, color="black", lw=1)
+    ax.axhline(pl["predicted_seconds"], color="tab:red", ls="--", lw=1,
+               label=f"step I/O {pl['predicted_seconds']:.2f} s (slowest tier)")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("predicted seconds per step")
+    ax.set_title("predicted I/O time per tier")
+    ax.legend(fontsize=8)
+
+    ax = axes[2]
+    # Every subgroup has its home on a tier; the host cache holds copies of some of them (with the
+    # alternating order, the ones at both ends, which skip a read or a write each step).
+    state = cfg["state_bytes_per_rank"] or 1
+    cached = pl.get("cached_bytes", 0)
+    names = [f"tier{j}" for j in range(len(tiers))] + ["host cache"]
+    values = [t["stored_bytes"] / state * 100 for t in tiers] + [cached / state * 100]
+    colors = ["tab:blue"] * len(tiers) + ["tab:green"]
+    ax.barh(names, values, color=colors)
+    for y, v in enumerate(values):
+        ax.text(v, y, f" {v:.0f}%", va="center", fontsize=8)
+    ax.set_xlim(0, 115)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"% of the state per rank ({state / 1e9:.1f} GB)")
+    ax.set_title(f"host-memory share: {cached / 1e9:.1f} GB in the cache", fontsize=10)
+    fig.suptitle(f"MLP-Offload plan: {cfg['num_params']:,} params, {cfg['data_parallel_size']} ranks, "
+                 f"{cfg['num_subgroups']} subgroups per rank", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _short(path: str, width: int = 18) -> str:
+    return path if len(path) <= width else "..." + path[-(width - 3):]
+
+
+# ----------------------------------------------------------------------------- a trace
+
+def load_trace(path: str, flag: str = "TRACE") -> dict:
+    """A Chrome trace JSON file (object form with ``traceEvents``, or a bare list of events)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot read {path}: {e.strerror or e}") from e
+    except ValueError as e:
+        raise ConfigError(f"{flag}: {path} is not JSON: {e}") from e
+    if isinstance(doc, list):
+        doc = {"traceEvents": doc}
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        raise ConfigError(f"{flag}: {path} is not a Chrome trace (no 'traceEvents' list)")
+    return doc
+
+
+def trace_lanes(doc: dict) -> list[tuple[str, list[dict]]]:
+    """[(lane name, its complete spans)] in the trace's lane order (tiers, kernel, copies, step)."""
+    names, order, spans = {}, {}, {}
+    pids = {e.get("pid") for e in doc["traceEvents"] if e.get("ph") == "X"}
+    for e in doc["traceEvents"]:
+        key = (e.get("pid"), e.get("tid"))
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            names[key] = e.get("args", {}).get("name", str(key[1]))
+        elif e.get("ph") == "M" and e.get("name") == "thread_sort_index":
+            order[key] = e.get("args", {}).get("sort_index", 0)
+        elif e.get("ph") == "X":
+            spans.setdefault(key, []).append(e)
+    out = []
+    for key in sorted(spans, key=lambda k: (k[0] or 0, order.get(k, 1 << 30), k[1] or 0)):
+        name = names.get(key, f"tid {key[1]}")
+        out.append((f"rank {key[0]}: {name}" if len(pids) > 1 else name, spans[key]))
+    return out
+
+
+def plot_timeline(doc: dict, path: str, title: str = "", flag: str = "-o") -> str:
+    """Draw the trace as horizontal lanes: one per tier (and direction), the kernel, the copies."""
+    plt = _pyplot(flag)
+    lanes = trace_lanes(doc)
+    if not lanes:
+        raise ConfigError(f"{flag}: the trace holds no spans to draw")
+    t0 = min(e["ts"] for _, spans in lanes for e in spans)
+    fig, ax = plt.subplots(figsize=(13, 0.55 * len(lanes) + 1.6))
+    seen = set()
+    for row, (_, spans) in enumerate(lanes):
+        for e in spans:
+            color = SPAN_COLORS.get(e["name"], "lightsteelblue" if e["name"].startswith("update") else "tab:olive")
+            label = e["name"] if not e["name"].startswith("update") else "update (whole step)"
+            start, width = (e["ts"] - t0) / 1e3, max(e["dur"], 1.0) / 1e3
+            # A thin white edge keeps back-to-back spans (kernel calls, steps) apart.
+            ax.broken_barh([(start, width)], (row - 0.38, 0.76), facecolors=color, edgecolor="white",
+                           linewidth=0.4, label=None if label in seen else label)
+            seen.add(label)
+            if e["name"].startswith("update"):
+                ax.text(start + width / 2, row, "step " + e["name"].split()[-1], ha="center", va="center",
+                        fontsize=8)
+    ax.set_yticks(range(len(lanes)), [_short(name, 40) for name, _ in lanes], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("milliseconds")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18 if len(lanes) > 3 else -0.3), ncol=5, fontsize=8,
+              frameon=False)
+    ax.set_title(title or "MLP-Offload step timeline", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -1,0 +1,43 @@
+"""``megatron-mlp timeline TRACE.json -o FILE.png``: draw a recorded step timeline as lanes.
+
+The trace comes from ``--mlp-offload-trace DIR`` (Megatron) or ``bench update --trace FILE``; the
+picture has one lane per tier (per direction where a tier has a read and a write lane), one for
+the Adam kernel and its waits, one per copy direction and one for the whole update, for people
+without a trace viewer at hand (Perfetto opens the same file).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from megatron_mlp.errors import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-mlp timeline", description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", metavar="TRACE.json", help="a trace written by --mlp-offload-trace or bench update --trace")
+    p.add_argument("-o", "--output", required=True, metavar="FILE.png", help="the picture (.png, .svg or .pdf)")
+    p.add_argument("--title", default="", help="title of the picture (default: the trace's steps)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from megatron_mlp.observe.plot import check_plot_target, load_trace, plot_timeline
+    try:
+        out = check_plot_target(args.output, "-o")
+        doc = load_trace(args.trace, "TRACE.json")
+        other = doc.get("otherData", {})
+        title = args.title or (f"MLP-Offload timeline, steps {other['steps']} ({os.path.basename(args.trace)})"
+                               if "steps" in other else "")
+        plot_timeline(doc, out, title=title, flag="-o")
+    except ConfigError as e:
+        print(f"megatron-mlp timeline: error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
