@@ -59,7 +59,7 @@ class _Segment:
     param_view: torch.Tensor  # slice of the bucket's param buffer (what the all-gather sends)
 
 
-def _default_inner_factory(mlp_config, group_ranges, param_groups, initial_params):
+def _default_inner_factory(mlp_config, group_ranges, param_groups, initial_params, staging_bytes=0):
     import os
 
     from megatron_mlp.optim.offload_adam import OffloadAdam
@@ -69,7 +69,8 @@ def _default_inner_factory(mlp_config, group_ranges, param_groups, initial_param
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or (
         torch.cuda.device_count() if torch.cuda.is_available() else 1)
     return OffloadAdam(mlp_config, group_ranges=group_ranges, param_groups=param_groups,
-                       initial_params=initial_params, rank=rank, ranks_per_node=max(1, ranks_per_node))
+                       initial_params=initial_params, rank=rank, ranks_per_node=max(1, ranks_per_node),
+                       staging_bytes=staging_bytes)
 
 
 class _OffloadInner:
@@ -256,7 +257,10 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         self._build_flat_layout()
         factory = self.inner_factory or _default_inner_factory
         torch_groups = self.optimizer.param_groups  # the dicts the LR scheduler writes
-        offload = factory(self.mlp_config, self._group_ranges, torch_groups, self._initial_params)
+        # _OffloadInner's pinned _grads_host/_params_host count in --mlp-offload-host-memory.
+        from megatron_mlp.optim.host_memory import staging_bytes
+        offload = factory(self.mlp_config, self._group_ranges, torch_groups, self._initial_params,
+                          staging_bytes=staging_bytes(self._numel, self._grad_dtype, self._param_dtype))
         self.optimizer = _OffloadInner(torch_groups, self._segments, self._numel, self._grad_dtype,
                                        self._param_dtype, offload)
 
