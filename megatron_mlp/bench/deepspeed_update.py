@@ -53,7 +53,10 @@ class DeepSpeedZero3Update:
             self.handle = aio.aio_handle(block_bytes, queue_depth, False, True, 1)
         self.dir = tempfile.mkdtemp(prefix="mlp-offload-deepspeed-", dir=path)
         self.bounds = [(a, min(a + subgroup_params, numel)) for a in range(0, numel, subgroup_params)]
-        size = max(b - a for a, b in self.bounds)
+        # Every array padded to 4096 bytes: DeepSpeed's aio handle silently writes nothing when a
+        # request's bytes per thread are not a multiple of 512 (its swapper aligns them the same way).
+        self.padded = [-(-(b - a) // 1024) * 1024 for a, b in self.bounds]
+        size = max(self.padded)
 
         def locked(n):
             with stdout_to_stderr():
@@ -66,11 +69,11 @@ class DeepSpeedZero3Update:
         with stdout_to_stderr():
             self.opt = DeepSpeedCPUAdam([self.param], lr=lr, adamw_mode=True)
         self.step_count = 0
-        for i, (a, b) in enumerate(self.bounds):
-            self.state_bufs[0][:3 * (b - a)].zero_()
-            self.grad_bufs[0][:b - a].zero_()
-            self._sync(True, self.state_bufs[0][:3 * (b - a)], self._file(i, "state"))
-            self._sync(True, self.grad_bufs[0][:b - a], self._file(i, "grad"))
+        for i, pn in enumerate(self.padded):
+            self.state_bufs[0][:3 * pn].zero_()
+            self.grad_bufs[0][:pn].zero_()
+            self._sync(True, self.state_bufs[0][:3 * pn], self._file(i, "state"))
+            self._sync(True, self.grad_bufs[0][:pn], self._file(i, "grad"))
 
     def _file(self, i: int, kind: str) -> str:
         return os.path.join(self.dir, f"{kind}{i}.swp")
@@ -85,8 +88,8 @@ class DeepSpeedZero3Update:
         """ZeRO-3's backward: each subgroup's gradient upcast to fp32 and swapped out. Seconds."""
         t0 = time.perf_counter()
         for i, (a, b) in enumerate(self.bounds):
-            g = self.grad_bufs[i % 2][:b - a]
-            g.copy_(grads[a:b])
+            g = self.grad_bufs[i % 2][:self.padded[i]]
+            g[:b - a].copy_(grads[a:b])
             self._sync(True, g, self._file(i, "grad"))
         return time.perf_counter() - t0
 
@@ -96,15 +99,14 @@ class DeepSpeedZero3Update:
         t0 = time.perf_counter()
 
         def swap_in(i):
-            a, b = self.bounds[i]
-            n = b - a
+            pn = self.padded[i]
             with stdout_to_stderr():
-                self.handle.async_pread(self.state_bufs[i % 2][:3 * n], self._file(i, "state"))
-                self.handle.async_pread(self.grad_bufs[i % 2][:n], self._file(i, "grad"))
+                self.handle.async_pread(self.state_bufs[i % 2][:3 * pn], self._file(i, "state"))
+                self.handle.async_pread(self.grad_bufs[i % 2][:pn], self._file(i, "grad"))
 
         swap_in(0)
         for i, (a, b) in enumerate(self.bounds):
-            n = b - a
+            n, pn = b - a, self.padded[i]
             with stdout_to_stderr():
                 self.handle.wait()   # this subgroup's swap-in and the previous one's swap-out
             if i + 1 < len(self.bounds):
@@ -112,11 +114,12 @@ class DeepSpeedZero3Update:
             state = self.state_bufs[i % 2]
             self.param.data = state[:n]
             self.param.grad = self.grad_bufs[i % 2][:n]
-            self.opt.state[self.param] = {"step": self.step_count, "exp_avg": state[n:2 * n],
-                                          "exp_avg_sq": state[2 * n:3 * n]}
+            # DeepSpeedCPUAdam increments "step" before its update: the count of earlier steps.
+            self.opt.state[self.param] = {"step": self.step_count - 1, "exp_avg": state[pn:pn + n],
+                                          "exp_avg_sq": state[2 * pn:2 * pn + n]}
             with stdout_to_stderr():
                 self.opt.step()
-                self.handle.async_pwrite(state[:3 * n], self._file(i, "state"))
+                self.handle.async_pwrite(state[:3 * pn], self._file(i, "state"))
         with stdout_to_stderr():
             self.handle.wait()
         return time.perf_counter() - t0

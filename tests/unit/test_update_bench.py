@@ -380,7 +380,9 @@ def test_vs_deepspeed_says_why_it_did_not_measure_when_deepspeed_is_absent(capsy
     assert s["deepspeed"] == {"unavailable": "deepspeed is not importable (test)"}
 
 
-def test_vs_deepspeed_runs_deepspeeds_own_update_on_the_same_subgroups(capsys, disk_dir):
+def test_vs_deepspeed_runs_deepspeeds_own_update_on_the_same_subgroups(capfd, disk_dir):
+    # capfd, not capsys: DeepSpeed's op check needs a real stderr file descriptor.
+    capsys = capfd
     from megatron_mlp.bench import deepspeed_update
     reason = deepspeed_update.deepspeed_unavailable_reason()
     if reason is not None:
@@ -391,3 +393,35 @@ def test_vs_deepspeed_runs_deepspeeds_own_update_on_the_same_subgroups(capsys, d
     assert "unavailable" not in ds, ds
     assert ds["seconds"] > 0 and len(ds["steps_s"]) == 3 and ds["host_bytes"] > 0
     assert ds["baseline_vs_deepspeed"] == pytest.approx(s["baseline_s"] / ds["seconds"])
+
+
+def test_deepspeeds_own_update_computes_adamw_over_every_subgroup(disk_dir):
+    """The DeepSpeed side is a measurement of DeepSpeed only if it does the update: its state after
+    three steps matches AdamW (its own kernel, so to float tolerance, not bits)."""
+    import torch
+
+    from megatron_mlp.bench import deepspeed_update
+    from megatron_mlp.optim.reference_adam import ReferenceAdamW
+    reason = deepspeed_update.deepspeed_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"needs deepspeed: {reason}")
+    n = 10_000
+    ds = deepspeed_update.DeepSpeedZero3Update(disk_dir, n, 3000, block_bytes=1 << 20, queue_depth=4, lr=1e-2)
+    ref = ReferenceAdamW([(0, n)], [{"lr": 1e-2}], torch.zeros(n))
+    try:
+        for step in range(3):
+            g = torch.randn(n, generator=torch.Generator().manual_seed(step)).bfloat16()
+            ds.backward_write_grads(g)
+            ds.step()
+            ref.step(g)
+        got = torch.cat([_read_ds_state(ds, i)[:b - a] for i, (a, b) in enumerate(ds.bounds)])
+        assert torch.allclose(got, ref.state("param"), rtol=1e-4, atol=1e-6)
+    finally:
+        ds.close()
+    assert os.listdir(disk_dir) == []
+
+
+def _read_ds_state(ds, i):
+    buf = ds.state_bufs[0][:3 * ds.padded[i]]
+    ds._sync(False, buf, ds._file(i, "state"))
+    return buf.clone()
