@@ -393,6 +393,7 @@ def test_vs_deepspeed_runs_deepspeeds_own_update_on_the_same_subgroups(capfd, di
     assert "unavailable" not in ds, ds
     assert ds["seconds"] > 0 and len(ds["steps_s"]) == 3 and ds["host_bytes"] > 0
     assert ds["baseline_vs_deepspeed"] == pytest.approx(s["baseline_s"] / ds["seconds"])
+    assert ds["speedup_vs_deepspeed"] == pytest.approx(ds["seconds"] / s["mlp_s"])
 
 
 def test_deepspeeds_own_update_computes_adamw_over_every_subgroup(disk_dir):
