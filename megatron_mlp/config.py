@@ -34,14 +34,21 @@ class MLPOffloadConfig:
     """--mlp-offload-paths: storage paths of the virtual tier, in order of preference."""
     subgroup_params: int = 100_000_000
     """--mlp-offload-subgroup-size: elements per subgroup (the unit streamed through host memory)."""
+    host_memory_bytes: int = 0
+    """--mlp-offload-host-memory: the one host-memory budget per rank. It bounds everything MLP-Offload
+    holds in host memory: the pinned gradient/param staging, the pipeline's working buffers and the
+    cache (what is left, in whole subgroup buffers); see ``optim/host_memory.py``. 0: just the
+    configured pipeline (and ``host_cache_bytes``)."""
     host_cache_bytes: int = 0
-    """--mlp-offload-host-cache: bytes of host memory that keep subgroups' p/m/v between steps."""
+    """No flag: with ``host_memory_bytes`` 0, bytes of cache on top of the configured pipeline (tests and
+    benchmarks that fix the cache directly). Given together with ``host_memory_bytes`` it is an error."""
     prefetch_depth: int = 2
     """--mlp-offload-prefetch-depth: subgroups fetched ahead of the one being updated."""
     flush_depth: int = 2
     """--mlp-offload-flush-depth: updated subgroups whose write-back may be in flight at once on
-    each tier. The host budget is host_cache + (prefetch_depth + flush_depth + 1) subgroup buffers,
-    whatever the number of tiers (write-backs hold buffers of that pool)."""
+    each tier. The pipeline holds (prefetch_depth + flush_depth + 1) subgroup buffers, whatever the
+    number of tiers (write-backs hold buffers of that pool); under a --mlp-offload-host-memory too
+    small for them both depths are lowered (the startup log says so)."""
     tokens_per_tier: int = 1
     """--mlp-offload-tokens-per-tier: processes of a node doing I/O on one tier at a time."""
     order: str = "alternate"
@@ -101,11 +108,17 @@ class MLPOffloadConfig:
         if not self.tiers:
             raise ConfigError("--mlp-offload-paths: at least one storage path is required")
         _positive("--mlp-offload-subgroup-size", self.subgroup_params)
-        _non_negative("--mlp-offload-host-cache", self.host_cache_bytes)
+        _non_negative("--mlp-offload-host-memory", self.host_memory_bytes)
+        _non_negative("host_cache_bytes", self.host_cache_bytes)
+        if self.host_memory_bytes and self.host_cache_bytes:
+            raise ConfigError(f"--mlp-offload-host-memory: {self.host_memory_bytes} is the whole budget, cache "
+                              f"included; host_cache_bytes ({self.host_cache_bytes}) cannot be given with it")
         memory = _physical_memory_bytes()
-        if memory and self.host_cache_bytes > memory:
-            raise ConfigError(f"--mlp-offload-host-cache: {self.host_cache_bytes} bytes is more than this machine's "
-                              f"memory ({memory} bytes) for one rank; give each rank a share of the host memory")
+        for name, value in (("--mlp-offload-host-memory", self.host_memory_bytes),
+                            ("host_cache_bytes", self.host_cache_bytes)):
+            if memory and value > memory:
+                raise ConfigError(f"{name}: {value} bytes is more than this machine's memory ({memory} bytes) "
+                                  f"for one rank; give each rank a share of the host memory")
         _non_negative("--mlp-offload-prefetch-depth", self.prefetch_depth)
         _positive("--mlp-offload-flush-depth", self.flush_depth)
         _positive("--mlp-offload-tokens-per-tier", self.tokens_per_tier)

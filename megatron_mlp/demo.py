@@ -63,7 +63,8 @@ class _ZeroStyleInner:
     """The ZeRO-3-style policy behind the OffloadAdam protocol (one ZeroStyleOffload per param
     group, so no-weight-decay groups keep their hyper-parameters). Demo-only."""
 
-    def __init__(self, config, group_ranges, param_groups, initial_params):
+    def __init__(self, config, group_ranges, param_groups, initial_params, staging_bytes=0):
+        # staging_bytes: the host budget is MLP-Offload's; this policy keeps its own double buffers.
         from megatron_mlp.engine import Engine
         from megatron_mlp.optim.baseline import ZeroStyleOffload
 

@@ -38,3 +38,22 @@ def kernel_threads_used(monkeypatch):
 
     monkeypatch.setattr(fused_adam, "fused_adam_step", recording)
     return used
+
+
+def pytest_report_header(config):
+    from megatron_mlp.testing.isa_skips import isa_found
+    return f"megatron_mlp kernel ISA: {isa_found()}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Skips for want of AVX-512 share one location and reason, so the summary shows one line."""
+    report = yield
+    if report.skipped and isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
+        from megatron_mlp.testing.isa_skips import folded_reason, is_no_avx512_skip, isa_found
+        if is_no_avx512_skip(str(report.longrepr[2])):
+            report.longrepr = (__file__, 0, folded_reason(_ISA.setdefault("found", isa_found())))
+    return report
+
+
+_ISA: dict = {}

@@ -9,6 +9,9 @@
 #include "mlp/cpu_adam.h"
 #include "mlp/checksum.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <emmintrin.h>
+#endif
 #include <sched.h>
 #include <unistd.h>
 
@@ -383,6 +386,70 @@ int CpuAdam::copy(void* dst, const void* src, std::size_t nbytes, int num_thread
         piece(n, k, t, &b, &e);
         const std::size_t len = (e - b) * 4 + (t == k - 1 ? nbytes % 4 : 0);  // last piece: odd tail bytes
         if (len) std::memcpy(static_cast<char*>(dst) + b * 4, static_cast<const char*>(src) + b * 4, len);
+    });
+    return 0;
+}
+
+namespace {
+// One thread's piece of CpuAdam::traffic: per 8 elements, the loads and stores of the update loop
+// (p, m, v read and written in place, the gradient read, the output written non-temporally when
+// aligned, as the AVX-512 path does), with an empty asm between them so that the compiler keeps
+// every load and store but computes nothing. SSE2 (every x86-64): a memory-bound loop on two
+// cores reaches the memory's limit at this width too.
+void traffic_range(float* const* arrays, const char* grad, std::size_t gb, char* out, std::size_t ob,
+                   std::size_t b, std::size_t e) {
+    std::size_t i = b;
+#if defined(__x86_64__) || defined(__i386__)
+    const bool stream = out && (reinterpret_cast<std::uintptr_t>(out + b * ob) & 15u) == 0;
+    for (; i + 8 <= e; i += 8) {
+        __m128 x[6];
+        for (int a = 0; a < 3; ++a) {
+            x[2 * a] = _mm_loadu_ps(arrays[a] + i);
+            x[2 * a + 1] = _mm_loadu_ps(arrays[a] + i + 4);
+        }
+        __m128i g0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(grad + i * gb));
+        __m128i g1 = gb == 4 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(grad + i * gb + 16)) : g0;
+        asm volatile("" : "+x"(x[0]), "+x"(x[1]), "+x"(x[2]), "+x"(x[3]), "+x"(x[4]), "+x"(x[5]), "+x"(g0), "+x"(g1));
+        for (int a = 0; a < 3; ++a) {
+            _mm_storeu_ps(arrays[a] + i, x[2 * a]);
+            _mm_storeu_ps(arrays[a] + i + 4, x[2 * a + 1]);
+        }
+        if (!out) continue;
+        __m128i* o = reinterpret_cast<__m128i*>(out + i * ob);
+        if (stream) {
+            _mm_stream_si128(o, g0);
+            if (ob == 4) _mm_stream_si128(o + 1, g1);
+        } else {
+            _mm_storeu_si128(o, g0);
+            if (ob == 4) _mm_storeu_si128(o + 1, g1);
+        }
+    }
+    if (stream) _mm_sfence();
+#endif
+    for (; i < e; ++i) {   // the tail (and every element off x86)
+        float x[3];
+        for (int a = 0; a < 3; ++a) x[a] = arrays[a][i];
+        char g[4];
+        std::memcpy(g, grad + i * gb, gb);
+        asm volatile("" : : "r"(x), "r"(g) : "memory");
+        for (int a = 0; a < 3; ++a) arrays[a][i] = x[a];
+        if (out) std::memcpy(out + i * ob, g, std::min(gb, ob));
+    }
+}
+}  // namespace
+
+int CpuAdam::traffic(float* param, float* exp_avg, float* exp_avg_sq, const void* grad, DType grad_dtype, void* out,
+                     DType out_dtype, std::size_t n, int num_threads) {
+    if (!valid_dtype(grad_dtype) || !valid_dtype(out_dtype)) return -EINVAL;
+    if (n == 0) return 0;
+    if (!param || !exp_avg || !exp_avg_sq || !grad) return -EINVAL;
+    const int k = plan_tasks(n, num_threads);
+    const std::size_t gb = dtype_bytes(grad_dtype), ob = dtype_bytes(out_dtype);
+    float* const arrays[3] = {param, exp_avg, exp_avg_sq};
+    pool_.run(k, [&](int t) {
+        std::size_t b, e;
+        piece(n, k, t, &b, &e);
+        traffic_range(arrays, static_cast<const char*>(grad), gb, static_cast<char*>(out), ob, b, e);
     });
     return 0;
 }

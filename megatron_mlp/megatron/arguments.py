@@ -61,15 +61,22 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--mlp-offload-subgroup-size", type=str, default="100M", metavar="N",
                    help="Parameters per subgroup, the unit streamed through host memory "
                         "(12 bytes of fp32 state each). Accepts 100M, 1.5B, 25000000.")
-    g.add_argument("--mlp-offload-host-cache", type=str, default="0", metavar="SIZE",
-                   help="Host memory per rank that keeps subgroups' state between steps "
-                        "(e.g. 8GB, 16GiB; 0 = no cache).")
+    g.add_argument("--mlp-offload-host-memory", type=str, default="0", metavar="SIZE",
+                   help="The one host-memory budget per rank (e.g. 8GB, 16GiB). It counts everything MLP-Offload "
+                        "holds in host memory: the pinned gradient and param staging (the rank's shard in the "
+                        "grad and param dtypes), the update pipeline's working buffers (prefetch depth + flush "
+                        "depth + 1 subgroup buffers, lowered to fit) and, in whole subgroup buffers, a cache of "
+                        "what is left; with the ablation --mlp-offload-no-deferred-upcast also one subgroup's "
+                        "fp32 gradient. Not counted: the fp32 copies a checkpoint save or load stages while it "
+                        "runs (two subgroups at most). Startup logs the breakdown; a budget below the minimum "
+                        "(staging + two subgroup buffers) is an error naming both. 0 = the configured pipeline, "
+                        "no cache.")
     g.add_argument("--mlp-offload-prefetch-depth", type=int, default=_DEFAULTS["prefetch_depth"], metavar="N",
                    help="Subgroups fetched from storage ahead of the one being updated.")
     g.add_argument("--mlp-offload-flush-depth", type=int, default=_DEFAULTS["flush_depth"], metavar="N",
                    help="Updated subgroups whose write-back to storage may be in flight at once on each tier. "
-                        "Host memory per rank: host cache + (prefetch depth + flush depth + 1) subgroup "
-                        "buffers, a hard limit whatever the number of tiers.")
+                        "The pipeline holds prefetch depth + flush depth + 1 subgroup buffers whatever the "
+                        "number of tiers, within --mlp-offload-host-memory (both depths lowered to fit).")
     g.add_argument("--mlp-offload-tokens-per-tier", type=int, default=_DEFAULTS["tokens_per_tier"], metavar="N",
                    help="Processes of one node that may do I/O on one physical tier at a time.")
     g.add_argument("--mlp-offload-order", type=str, default="alternate", choices=ORDER_POLICIES,
@@ -218,7 +225,7 @@ def config_from_args(args) -> MLPOffloadConfig | None:
     return MLPOffloadConfig(
         tiers=tiers,
         subgroup_params=parse_count(args.mlp_offload_subgroup_size, "--mlp-offload-subgroup-size"),
-        host_cache_bytes=_size(args, "mlp_offload_host_cache", "--mlp-offload-host-cache"),
+        host_memory_bytes=_size(args, "mlp_offload_host_memory", "--mlp-offload-host-memory"),
         prefetch_depth=args.mlp_offload_prefetch_depth,
         flush_depth=args.mlp_offload_flush_depth,
         tokens_per_tier=args.mlp_offload_tokens_per_tier,

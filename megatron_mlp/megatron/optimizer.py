@@ -61,7 +61,7 @@ class _Segment:
     param_view: torch.Tensor  # slice of the bucket's param buffer (what the all-gather sends)
 
 
-def _default_inner_factory(mlp_config, group_ranges, param_groups, initial_params):
+def _default_inner_factory(mlp_config, group_ranges, param_groups, initial_params, staging_bytes=0):
     import os
 
     from megatron_mlp.optim.offload_adam import OffloadAdam
@@ -71,7 +71,8 @@ def _default_inner_factory(mlp_config, group_ranges, param_groups, initial_param
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or (
         torch.cuda.device_count() if torch.cuda.is_available() else 1)
     return OffloadAdam(mlp_config, group_ranges=group_ranges, param_groups=param_groups,
-                       initial_params=initial_params, rank=rank, ranks_per_node=max(1, ranks_per_node))
+                       initial_params=initial_params, rank=rank, ranks_per_node=max(1, ranks_per_node),
+                       staging_bytes=staging_bytes)
 
 
 class _OffloadInner:
@@ -111,8 +112,7 @@ class _OffloadInner:
         self.state = {first: {"step": self._step_tensor}} if first is not None else {}
         self.grad_dtype = grad_dtype
         # What leaves the device: the grad buffer's dtype, or bf16 rounded from fp32 on request.
-        self.transfer_dtype = torch.bfloat16 if grad_transfer == "bf16" and grad_dtype == torch.float32 \
-            else grad_dtype
+        self.transfer_dtype = transfer_dtype(grad_dtype, grad_transfer)
         self._cuda = torch.cuda.is_available() and any(s.grad_view.is_cuda for s in segments)
         pin = self._cuda  # pinned host memory needs a CUDA context; under the CPU harness it is plain
         self._grads_host = torch.empty(numel, dtype=self.transfer_dtype, pin_memory=pin)
@@ -397,6 +397,11 @@ class _OffloadInner:
             trace.span("H2D", "param copy", host(first), host(last), bytes=moved)
 
 
+def transfer_dtype(grad_dtype: torch.dtype, grad_transfer: str) -> torch.dtype:
+    """The dtype the reduced gradient leaves the device in (--mlp-offload-grad-transfer)."""
+    return torch.bfloat16 if grad_transfer == "bf16" and grad_dtype == torch.float32 else grad_dtype
+
+
 def _parameters(fn) -> set:
     import inspect
     try:
@@ -478,7 +483,12 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         self._build_flat_layout()
         factory = self.inner_factory or _default_inner_factory
         torch_groups = self.optimizer.param_groups  # the dicts the LR scheduler writes
-        offload = factory(self.mlp_config, self._group_ranges, torch_groups, self._initial_params)
+        # _OffloadInner's pinned _grads_host/_params_host count in --mlp-offload-host-memory.
+        from megatron_mlp.optim.host_memory import staging_bytes
+        offload = factory(self.mlp_config, self._group_ranges, torch_groups, self._initial_params,
+                          staging_bytes=staging_bytes(self._numel, transfer_dtype(self._grad_dtype,
+                                                                                  self.mlp_config.grad_transfer),
+                                                      self._param_dtype))
         self.optimizer = _OffloadInner(torch_groups, self._segments, self._numel, self._grad_dtype,
                                        self._param_dtype, offload, grad_transfer=self.mlp_config.grad_transfer)
 

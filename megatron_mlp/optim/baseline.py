@@ -63,7 +63,7 @@ class ZeroStyleOffload:
         # Double buffering: one subgroup computing/swapping out while the next swaps in.
         self.bufs = [engine.alloc(max_region) for _ in range(2)]
         self.gbufs = [engine.alloc(max_grad) for _ in range(2)]
-        self.peak_host_bytes = 2 * (max_region + max_grad)
+        self.peak_host_bytes = self.host_bytes_for(numel, subgroup_params)
         for sg in self.plan:
             region = self.bufs[0].torch(torch.uint8)[:sg.region_bytes]
             region.zero_()
@@ -71,6 +71,12 @@ class ZeroStyleOffload:
                 self.bufs[0].torch(torch.float32)[:sg.numel].copy_(initial_params[sg.start:sg.end])
             engine.write(self.state_file, region, self.state_off[sg.index]).wait()
         self.last = {}
+
+    @staticmethod
+    def host_bytes_for(numel: int, subgroup_params: int) -> int:
+        """Host memory of the policy for this shard: two state and two fp32 gradient buffers."""
+        plan = SubgroupPlan([(0, numel)], subgroup_params)
+        return 2 * (plan.max_region_bytes + max(_grad_bytes(sg) for sg in plan))
 
     def backward_write_grads(self, grads: torch.Tensor) -> float:
         """What backward does under ZeRO-3: upcast each subgroup's gradient to fp32 and write it.

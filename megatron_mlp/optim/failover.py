@@ -100,8 +100,8 @@ def take_out_of_service(opt, stores_and_reasons) -> None:
         failed = ", ".join(t["path"] for t in opt.failover.failed_tiers)
         parts = []
         if held_over_budget:
-            parts.append(f"subgroups {sorted(opt._pinned)} are held in host memory beyond the host-cache budget "
-                         f"(--mlp-offload-host-cache): save a checkpoint now (read_range/state_dict still serve "
+            parts.append(f"subgroups {sorted(opt._pinned)} are held in host memory beyond the cache the host budget "
+                         f"leaves (--mlp-offload-host-memory): save a checkpoint now (read_range/state_dict still serve "
                          f"them) and restart with healthy --mlp-offload-paths")
         if unreadable:
             parts.append(f"subgroups {sorted(unreadable)} could not be read back from the failed tier and are not "

@@ -50,8 +50,8 @@ import torch
 from megatron_mlp.errors import ConfigError, IntegrityError, PartialStepError, TierFailure, TierIOError
 from megatron_mlp.optim.failover import FailoverStats, take_out_of_service
 from megatron_mlp.optim.host_pool import HostBufferPool
-from megatron_mlp.optim.placement import assign_subgroups, placement_tiers, warm_subgroups
-from megatron_mlp.optim.schedule import cache_slots, iteration_order, kept_in_cache
+from megatron_mlp.optim.placement import assign_subgroups, host_memory_for, placement_tiers, warm_subgroups
+from megatron_mlp.optim.schedule import iteration_order, kept_in_cache
 from megatron_mlp.optim.stats import StepStats, TierStepStats
 from megatron_mlp.optim.store import TierStore
 from megatron_mlp.optim.subgroups import STATE_NAMES, Subgroup, SubgroupPlan, piece_params_for
@@ -74,19 +74,26 @@ class OffloadAdam:
         initial_params: fp32 flat tensor of ``numel`` elements, a callable ``(start, end) -> fp32
             tensor`` (streamed, so the whole shard never needs to exist at once), or None (zeros).
         rank: this process's rank (names the scratch dir only).
+        staging_bytes: host memory the caller holds for this optimizer (pinned gradient and param
+            staging, ``host_memory.staging_bytes``): counted in ``--mlp-offload-host-memory``.
         ranks_per_node: processes of the node sharing the tiers (placement model input).
         engine_factory / token_factory: ``spec -> Engine`` / ``(spec, direction) -> token or None``
             (direction 'rw', or 'read' and 'write' for a tier with separate budgets); defaults
             build the real ones from ``config``; tests inject faults through them.
     Raises:
-        ConfigError: inconsistent ranges / groups / initial params (message names the value).
+        ConfigError: inconsistent ranges / groups / initial params (message names the value), or a
+            host-memory budget below the minimum pipeline.
         TierIOError, TierCapacityError: a tier path cannot hold the state.
     """
 
     def __init__(self, config, group_ranges, param_groups, initial_params=None, *, rank: int = 0,
-                 ranks_per_node: int = 1, engine_factory=None, token_factory=None):
+                 ranks_per_node: int = 1, engine_factory=None, token_factory=None, staging_bytes: int = 0):
         self.config = config
         self.plan = SubgroupPlan(group_ranges, config.subgroup_params)
+        # The one host budget (--mlp-offload-host-memory): the caller's staging, the working
+        # buffers and the cache; refused here, before anything is created, when it cannot fit.
+        self.host_memory = host_memory_for(self.plan, config, int(staging_bytes))
+        logger.info("MLP-Offload rank %d: %s", rank, self.host_memory.describe())
         if len(param_groups) != len(self.plan.group_ranges):
             raise ConfigError(f"param_groups: {len(param_groups)} groups given for "
                               f"{len(self.plan.group_ranges)} group ranges")
@@ -106,7 +113,7 @@ class OffloadAdam:
 
         # Paths checked (and created) first: the placement needs each one's free space.
         free = _check_tiers_and_sizes(config, self.plan)   # nothing starts half-configured
-        self.tier_of = assign_subgroups(self.plan, config, ranks_per_node, free)
+        self.tier_of = assign_subgroups(self.plan, config, ranks_per_node, free, self.host_memory)
         self._placement_tiers = placement_tiers(config, ranks_per_node, free)   # bandwidths, for the schedule
         engine_factory = engine_factory or _default_engine_factory(config)
         token_factory = token_factory or _default_token_factory(config)
@@ -140,9 +147,9 @@ class OffloadAdam:
             from megatron_mlp.observe.trace import StepTrace, trace_file
             self.attach_trace(StepTrace(trace_file(config.trace_dir, rank), config.trace_steps, rank))
 
-        buf_bytes = max(self.plan.max_region_bytes, 4096)
-        self.cache_slots = cache_slots(config.host_cache_bytes, buf_bytes, cache_order=config.cache_order)
-        self.working_buffers = config.prefetch_depth + config.flush_depth + 1
+        buf_bytes = self.host_memory.buffer_bytes
+        self.cache_slots = self.host_memory.cache_buffers
+        self.working_buffers = self.host_memory.working_buffers
         self.pool = HostBufferPool(self.stores[0].engine.alloc if self.stores else bytearray, buf_bytes,
                                    self.cache_slots + self.working_buffers)
         # subgroup index -> host buffer whose content is newer than (or as new as) storage.
@@ -150,7 +157,7 @@ class OffloadAdam:
         self._order_pos: dict[int, int] = {}   # subgroup -> position in the last step's order
         # Subgroups a step keeps in host memory for the next: the cache's, and with the working
         # buffers as cache (module doc) theirs too -- the whole pool.
-        self.uses_warm_buffers = warm_subgroups(config) > 0
+        self.uses_warm_buffers = warm_subgroups(config, self.host_memory) > 0
         self.keep_slots = self.cache_slots + (self.working_buffers if self.uses_warm_buffers else 0)
         self._held_by_working: set[int] = set()   # kept by the working buffers beyond the cache budget
         # Pieces a subgroup streams in at a step's end and out at its start (module doc).
@@ -171,7 +178,7 @@ class OffloadAdam:
 
     @property
     def host_budget_bytes(self) -> int:
-        """The hard host limit: cache budget + working set, in whole buffers."""
+        """The hard limit of the pool: cache + working buffers (the budget less staging and upcast)."""
         return self.pool.limit_bytes
 
     def attach_trace(self, trace) -> None:
@@ -180,6 +187,16 @@ class OffloadAdam:
         self.trace = trace
         for store in self.stores:
             store.trace = trace
+
+    @property
+    def host_memory_bytes(self) -> int:
+        """Everything counted in the host budget: staging + upcast + the pool's limit."""
+        return self.host_memory.total_bytes
+
+    @property
+    def peak_host_bytes(self) -> int:
+        """Measured: the pool's peak allocation plus the staging and upcast counted in the budget."""
+        return self.pool.peak_bytes + self.host_memory.staging_bytes + self.host_memory.upcast_bytes
 
     def grad_stats(self, grads: torch.Tensor) -> tuple[float, bool]:
         """(sum of squares in fp64, found non-finite) of the low-precision gradient, no fp32 copy.
@@ -242,7 +259,7 @@ class OffloadAdam:
         # One entry per configured path, in --mlp-offload-paths order (zeros for a path holding none).
         stats = StepStats(tiers=[self._store_of[t].new_stats() if t in self._store_of
                                  else TierStepStats(path=spec.path) for t, spec in enumerate(self.config.tiers)],
-                          host_limit_bytes=self.pool.limit_bytes)
+                          host_limit_bytes=self.host_memory.budget_bytes)
         if found_inf:
             stats.skipped = True
             self.last_step_stats = stats.as_dict()
@@ -279,7 +296,7 @@ class OffloadAdam:
                 self.trace.span("step", f"update {step_no}", t_step, time.perf_counter(), subgroups=len(order))
                 self.trace.end_step(step_no)
         stats.step_s = time.perf_counter() - t_step
-        stats.peak_host_bytes = self.pool.peak_bytes
+        stats.peak_host_bytes = self.peak_host_bytes   # the pool's peak + staging: the whole budget
         self.last_step_stats = stats.as_dict()
         failing = {}
         for sg, store, exc in errors:
@@ -434,8 +451,8 @@ class OffloadAdam:
         # Fetches in flight at once. Completed fetches waiting for the kernel do not count: the pool
         # (cache + prefetch + flush + 1 buffers) bounds the memory, and letting each tier's lane
         # run ahead as far as the budget allows keeps every tier busy.
-        depth = self.config.prefetch_depth + 1
-        max_flushes = self.config.flush_depth
+        depth = self.host_memory.prefetch_depth + 1
+        max_flushes = self.host_memory.flush_depth
         remaining = list(order)
         fetching: dict[int, tuple] = {}              # idx -> (future, buffer, [future per piece])
         flushing: dict = {}                          # future -> (subgroup, store, buffer)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_mlp.optim.schedule import cache_slots
+from megatron_mlp.optim.host_memory import HostMemoryPlan, plan_host_memory
 from megatron_mlp.optim.subgroups import SubgroupPlan
 from megatron_mlp.tier.spec import shares_rw_limit
 
@@ -55,17 +55,28 @@ def _free_bytes(path: str) -> int | None:
     return vfs.f_bavail * vfs.f_frsize
 
 
-def plan_for(plan: SubgroupPlan, config, ranks_per_node: int = 1, free_bytes=None):
-    """The tier's ``Placement`` for this plan (None when everything goes on the first path)."""
+def host_memory_for(plan: SubgroupPlan, config, staging_bytes: int = 0) -> HostMemoryPlan:
+    """How this plan spends the host-memory budget: the one function the optimizer, its placement
+    and the benchmarks call, so that they agree."""
+    return plan_host_memory(config, max(plan.max_region_bytes, 4096), staging_bytes)
+
+
+def plan_for(plan: SubgroupPlan, config, ranks_per_node: int = 1, free_bytes=None,
+             memory: HostMemoryPlan | None = None):
+    """The tier's ``Placement`` for this plan (None when everything goes on the first path).
+
+    ``free_bytes``: free space per path (None: read now). ``memory``: the rank's
+    ``HostMemoryPlan`` (default: the budget with no staging)."""
     from megatron_mlp.tier import plan_placement
 
+    memory = memory or host_memory_for(plan, config)
     tiers = placement_tiers(config, ranks_per_node, free_bytes)
     if not config.multipath:
         tiers = tiers[:1]
     sizes = [sg.region_bytes for sg in plan]
-    slots = cache_slots(config.host_cache_bytes, plan.max_region_bytes, cache_order=config.cache_order)
+    slots = memory.cache_buffers
     budget = slots * plan.max_region_bytes
-    warm = warm_subgroups(config)
+    warm = warm_subgroups(config, memory)
     if (slots or warm) and config.order == "alternate" and config.cache_order:
         # Steady state of the alternating order: the cached ends, and the working buffers' subgroups
         # next to them, skip a read or a write each step.
@@ -77,15 +88,19 @@ def plan_for(plan: SubgroupPlan, config, ranks_per_node: int = 1, free_bytes=Non
                           cached_subgroups=cached)
 
 
-def warm_subgroups(config) -> int:
+def warm_subgroups(config, memory: HostMemoryPlan | None = None) -> int:
     """Subgroups the working buffers carry, unwritten, into the next step (``OffloadAdam``, working
-    buffers as cache): all of them, with the alternating order."""
+    buffers as cache): all of them, with the alternating order. ``memory`` gives the working
+    buffers the budget left (default: the configured depths)."""
     if not (config.warm_buffers and config.cache_order and config.order == "alternate"):
         return 0
+    if memory is not None:
+        return memory.working_buffers
     return config.prefetch_depth + config.flush_depth + 1
 
 
-def assign_subgroups(plan: SubgroupPlan, config, ranks_per_node: int = 1, free_bytes=None) -> list[int]:
+def assign_subgroups(plan: SubgroupPlan, config, ranks_per_node: int = 1, free_bytes=None,
+                     memory: HostMemoryPlan | None = None) -> list[int]:
     """Tier index (into ``config.tiers``) of each subgroup: by bandwidth, within each path's
     ``cap=`` and free space, two slots per subgroup (what does not fit on one path goes to another).
 
@@ -96,4 +111,4 @@ def assign_subgroups(plan: SubgroupPlan, config, ranks_per_node: int = 1, free_b
         return []
     if not config.multipath or len(config.tiers) == 1:
         return [0] * len(plan)   # one path: the store checks its room (TierStore.create)
-    return list(plan_for(plan, config, ranks_per_node, free_bytes).tier_of)
+    return list(plan_for(plan, config, ranks_per_node, free_bytes, memory).tier_of)

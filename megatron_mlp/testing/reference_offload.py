@@ -13,7 +13,7 @@ import torch
 
 
 class InMemoryAdam:
-    def __init__(self, config, group_ranges, param_groups, initial_params):
+    def __init__(self, config, group_ranges, param_groups, initial_params, staging_bytes=0):
         self.config = config
         self.group_ranges = list(group_ranges)
         self.param_groups = param_groups

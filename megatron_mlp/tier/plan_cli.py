@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "capacity (default 1)")
     p.add_argument("--data-parallel-size", type=int, default=None,
                    help="ranks the optimizer state is sharded over (default: --ranks-per-node x --nodes)")
+    p.add_argument("--host-memory", default=None,
+                   help="--mlp-offload-host-memory per rank, e.g. 8GB: spent as the optimizer spends it (staging of "
+                        "bf16 gradients and params, 4 bytes per param; the working buffers; the rest as cache), so "
+                        "the plan and the optimizer agree. Replaces --host-cache-bytes and --working-buffers")
     p.add_argument("--host-cache-bytes", default="0", help="host-cache budget per rank, e.g. 8GB (default 0)")
     p.add_argument("--cache-model", choices=("alternate", "resident"), default="alternate",
                    help="'alternate' (default, --mlp-offload-order alternate: the cached subgroups at both ends "
@@ -120,6 +124,7 @@ def make_plan(args) -> dict:
         raise ConfigError(f"--data-parallel-size: {dp} must be >= 1")
     host_cache = parse_size(args.host_cache_bytes, "--host-cache-bytes", "size")
     working = _DEFAULT_WORKING if args.working_buffers is None else args.working_buffers
+    memory = None
     if working < 0:
         raise ConfigError(f"--working-buffers: {working} must be >= 0")
     if args.cache_model != "alternate":
@@ -128,6 +133,16 @@ def make_plan(args) -> dict:
     _check_subgroup_count(shard, subgroup_params)
     params = subgroup_layout(shard, subgroup_params)
     sizes = [n * STATE_BYTES_PER_PARAM for n in params]
+    if args.host_memory is not None:
+        if host_cache or args.working_buffers is not None:
+            raise ConfigError("--host-memory: the whole budget; give it without --host-cache-bytes / --working-buffers")
+        from megatron_mlp.optim.host_memory import plan_host_memory
+        budget = parse_size(args.host_memory, "--host-memory", "size")
+        config = MLPOffloadConfig(tiers=tuple(specs), subgroup_params=subgroup_params, host_memory_bytes=budget)
+        # The same function the optimizer calls; staging as Megatron's bf16 gradient and param shards.
+        memory = plan_host_memory(config, max(sizes), staging=4 * shard)
+        host_cache = memory.cache_bytes
+        working = memory.working_buffers if args.cache_model == "alternate" else 0
 
     resolved = resolve_tiers(specs, calibration=args.calibration, probe=not args.no_probe,
                              cache_path=args.calibration_cache, flag="--paths", num_nodes=args.nodes,
@@ -141,7 +156,7 @@ def make_plan(args) -> dict:
                    "params_per_rank": shard, "subgroup_params": subgroup_params, "num_subgroups": len(sizes),
                    "state_bytes_per_rank": sum(sizes), "ranks_per_node": args.ranks_per_node,
                    "host_cache_bytes": host_cache, "cache_model": args.cache_model, "working_buffers": working,
-                   "calibration": mode, "nodes": args.nodes},
+                   "host_memory": memory.as_dict() if memory else None, "calibration": mode, "nodes": args.nodes},
         "shared_tiers": shared_tier_loads(specs, placement, args.nodes),
         "warnings": warnings,
         "notes": notes + list(placement.notes),
@@ -209,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MLP-Offload plan: {cfg['num_params']:,} params over {cfg['data_parallel_size']} ranks -> "
           f"{cfg['params_per_rank']:,} per rank = {human_bytes(cfg['state_bytes_per_rank'])} of optimizer state "
           f"in {cfg['num_subgroups']} subgroups of {cfg['subgroup_params']:,} params")
+    if plan["config"]["host_memory"]:
+        m = plan["config"]["host_memory"]
+        print(f"host memory per rank {human_bytes(m['budget_bytes'])}: staging {human_bytes(m['staging_bytes'])}, "
+              f"{m['working_buffers']} working buffers (prefetch {m['prefetch_depth']}, flush {m['flush_depth']}), "
+              f"{m['cache_buffers']} cache buffers of {human_bytes(m['buffer_bytes'])}")
     for w in plan["warnings"]:
         print(f"warning: {w}")
     print()

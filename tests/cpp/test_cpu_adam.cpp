@@ -284,7 +284,34 @@ void test_checksummed_range() {
 
 }  // namespace
 
+// The bound of bench adam: the step's loads and stores with no arithmetic. Every length (the
+// vector body and the tail), every dtype pair, several threads: p, m, v keep their bits, `out`
+// is written up to n and not past it.
+void test_traffic_moves_the_bytes_and_changes_nothing() {
+    mlp::CpuAdam adam(3);
+    const mlp::DType dts[] = {mlp::DType::kFloat32, mlp::DType::kBFloat16, mlp::DType::kFloat16};
+    for (std::size_t n : {std::size_t{1}, std::size_t{7}, std::size_t{8}, std::size_t{9},
+                          3 * mlp::kMinElemsPerThread + 13}) {
+        for (mlp::DType gdt : dts) {
+            for (mlp::DType odt : dts) {
+                std::vector<float> p(n), m(n), v(n);
+                for (std::size_t i = 0; i < n; ++i) p[i] = 0.5f * i, m[i] = -1.0f * i, v[i] = 2.0f + i;
+                const std::vector<float> p0 = p, m0 = m, v0 = v;
+                std::vector<float> g(n, 3.0f);                   // 4 bytes per element covers every dtype
+                std::vector<unsigned char> out(4 * n + 16, 0xAB);
+                CHECK(adam.traffic(p.data(), m.data(), v.data(), g.data(), gdt, out.data(), odt, n) == 0, "traffic");
+                CHECK(p == p0 && m == m0 && v == v0, "traffic changed the state (n=%zu)", n);
+                const std::size_t ob = odt == mlp::DType::kFloat32 ? 4 : 2;
+                CHECK(out[n * ob] == 0xAB, "traffic wrote past the output (n=%zu)", n);
+            }
+        }
+    }
+    CHECK(adam.traffic(nullptr, nullptr, nullptr, nullptr, mlp::DType::kFloat32, nullptr, mlp::DType::kFloat32, 4)
+              == -EINVAL, "null arrays refused");
+}
+
 int main() {
+    test_traffic_moves_the_bytes_and_changes_nothing();
     test_simd_paths_match_scalar();
     test_conversions();
     test_pool_covers_every_element_once();

@@ -79,10 +79,11 @@ def worker(rank, world, cfg, ckpt, mode, start, k=K):
         from megatron_mlp.optim.offload_adam import OffloadAdam
         from megatron_mlp.testing.fault_engine import FaultyEngines
 
-        def inner_factory(mlp_config, group_ranges, param_groups, initial_params):
+        def inner_factory(mlp_config, group_ranges, param_groups, initial_params, staging_bytes=0):
             fe = FaultyEngines(mlp_config)
             engines.append(fe)
-            return OffloadAdam(mlp_config, group_ranges, param_groups, initial_params, engine_factory=fe)
+            return OffloadAdam(mlp_config, group_ranges, param_groups, initial_params, engine_factory=fe,
+                               staging_bytes=staging_bytes)
     model, opt = build(SPEC, 1, cfg, inner_factory=inner_factory)
     losses = []
     if mode == "resume":

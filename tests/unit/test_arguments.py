@@ -48,7 +48,7 @@ def test_every_flag_reaches_its_config_field(tmp_path):
     calib.write_text(json.dumps({}))
     cfg = _config(
         "--mlp-offload", "--mlp-offload-paths", "/nvme:bw=6GB/s;/pfs:cap=2TB,qos=1GB/s",
-        "--mlp-offload-subgroup-size", "25M", "--mlp-offload-host-cache", "8GB",
+        "--mlp-offload-subgroup-size", "25M", "--mlp-offload-host-memory", "8GB",
         "--mlp-offload-prefetch-depth", "3", "--mlp-offload-tokens-per-tier", "2",
         "--mlp-offload-order", "ascending", "--mlp-offload-io-backend", "threads",
         "--mlp-offload-io-block-size", "2MiB", "--mlp-offload-io-queue-depth", "16",
@@ -60,7 +60,7 @@ def test_every_flag_reaches_its_config_field(tmp_path):
     assert cfg.tiers[0].read_bytes_per_s == 6e9 and cfg.tiers[1].capacity_bytes == 2 * 10**12
     assert cfg.tiers[1].qos_bytes_per_s == 1e9
     assert cfg.subgroup_params == 25_000_000
-    assert cfg.host_cache_bytes == 8 * 10**9
+    assert cfg.host_memory_bytes == 8 * 10**9
     assert (cfg.prefetch_depth, cfg.tokens_per_tier, cfg.order, cfg.backend) == (3, 2, "ascending", "threads")
     assert (cfg.block_bytes, cfg.queue_depth, cfg.io_threads, cfg.adam_threads) == (2 << 20, 16, 6, 3)
     assert cfg.calibration == str(calib) and cfg.runtime_dir == str(tmp_path)
@@ -84,7 +84,7 @@ def test_subgroup_size_accepts_counts_with_suffixes_when_valid(text, expected):
     (["--mlp-offload-subgroup-size", "lots"], "--mlp-offload-subgroup-size", "lots"),
     (["--mlp-offload-subgroup-size", "0"], "--mlp-offload-subgroup-size", "0"),
     (["--mlp-offload-subgroup-size", "1.5"], "--mlp-offload-subgroup-size", "1.5"),
-    (["--mlp-offload-host-cache", "8 bananas"], "--mlp-offload-host-cache", "8 bananas"),
+    (["--mlp-offload-host-memory", "8 bananas"], "--mlp-offload-host-memory", "8 bananas"),
     (["--mlp-offload-io-block-size", "1000"], "--mlp-offload-io-block-size", "1000"),
     (["--mlp-offload-prefetch-depth", "-1"], "--mlp-offload-prefetch-depth", "-1"),
     (["--mlp-offload-tokens-per-tier", "0"], "--mlp-offload-tokens-per-tier", "0"),

@@ -45,10 +45,10 @@ def test_io_timeout_flag_reaches_the_config_and_bad_text_is_refused_by_the_parse
     assert "--mlp-offload-io-timeout" in capsys.readouterr().err
 
 
-def test_host_cache_larger_than_the_machines_memory_is_rejected_naming_flag_and_value(tmp_path):
+def test_host_memory_larger_than_the_machines_memory_is_rejected_naming_flag_and_value(tmp_path):
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    with pytest.raises(ConfigError, match=rf"--mlp-offload-host-cache: {memory + 1} bytes is more than"):
-        MLPOffloadConfig.from_paths(str(tmp_path), host_cache_bytes=memory + 1)
+    with pytest.raises(ConfigError, match=rf"--mlp-offload-host-memory: {memory + 1} bytes is more than"):
+        MLPOffloadConfig.from_paths(str(tmp_path), host_memory_bytes=memory + 1)
 
 
 def test_a_path_under_a_file_is_rejected_naming_flag_and_path_and_nothing_is_left_on_the_good_tier(disk_dir):

@@ -124,7 +124,7 @@ def test_tier_failure_with_no_tier_left_stops_after_a_complete_step_and_keeps_st
         ref.step(grads(2))
         exc = info.value
         assert exc.state_complete and len(exc.held_in_host) == len(opt.plan)
-        assert disk_dir in str(exc) and "--mlp-offload-host-cache" in str(exc)
+        assert disk_dir in str(exc) and "--mlp-offload-host-memory" in str(exc)
         # The step completed in memory: the state equals the reference (what a checkpoint saves).
         assert_same(opt, ref)
         sd = opt.state_dict()

@@ -8,7 +8,7 @@ FROZEN = {
     "--mlp-offload": "off",
     "--mlp-offload-paths": "(none)",
     "--mlp-offload-subgroup-size": "`100M`",
-    "--mlp-offload-host-cache": "`0`",
+    "--mlp-offload-host-memory": "`0`",
     "--mlp-offload-prefetch-depth": "`2`",
     "--mlp-offload-flush-depth": "`2`",
     "--mlp-offload-tokens-per-tier": "`1`",

@@ -76,7 +76,7 @@ FAKE_FILES = {
                 out = orig(*a, **k)
                 out['built_by'] = 'mlp-offload'
                 out['tiers'] = [t.path for t in config.tiers]
-                out['host_cache_bytes'] = config.host_cache_bytes
+                out['host_memory_bytes'] = config.host_memory_bytes
                 return out
             return wrapped
         factory.wrap_get_megatron_optimizer = wrap_get_megatron_optimizer
@@ -124,7 +124,7 @@ def _launch(checkout: Path, *args: str, env=None, cwd=None):
 
 def test_launcher_runs_script_as_python_would_with_flags_and_optimizer_hook(checkout):
     proc, out = _launch(checkout, "--use-distributed-optimizer", "--mlp-offload",
-                        "--mlp-offload-paths", "/nvme/x;/pfs/y", "--mlp-offload-host-cache", "2GB")
+                        "--mlp-offload-paths", "/nvme/x;/pfs/y", "--mlp-offload-host-memory", "2GB")
     assert proc.returncode == 0, proc.stderr
     assert out["argv"][0] == str(checkout / "pretrain_gpt.py") and "--mlp-offload" in out["argv"]
     assert out["path0"] == str(checkout)
@@ -132,7 +132,7 @@ def test_launcher_runs_script_as_python_would_with_flags_and_optimizer_hook(chec
     assert out["mlp_offload"] is True
     opt = out["opt"]
     assert opt["built_by"] == "mlp-offload" and opt["tiers"] == ["/nvme/x", "/pfs/y"]
-    assert opt["host_cache_bytes"] == 2 * 10**9
+    assert opt["host_memory_bytes"] == 2 * 10**9
     # every argument of Megatron's call reaches the factory untouched
     assert (opt["config"], opt["chunks"], opt["args"], opt["kwargs"]) == ("cfg", ["chunk"], ["pos3"],
                                                                           {"no_weight_decay_cond": None})
@@ -154,7 +154,7 @@ def test_launcher_leaves_megatron_untouched_when_mlp_offload_is_off(checkout):
 
 @pytest.mark.parametrize("args,flag", [
     (["--use-distributed-optimizer", "--mlp-offload", "--mlp-offload-paths", "/a",
-      "--mlp-offload-host-cache", "lots"], "--mlp-offload-host-cache"),
+      "--mlp-offload-host-memory", "lots"], "--mlp-offload-host-memory"),
     (["--mlp-offload", "--mlp-offload-paths", "/a"], "--use-distributed-optimizer"),
     (["--use-distributed-optimizer", "--mlp-offload"], "--mlp-offload-paths"),
 ])

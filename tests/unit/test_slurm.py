@@ -35,12 +35,12 @@ MODEL_ARGS = ("--tensor-model-parallel-size 1 --num-layers 32 --hidden-size 4096
 GOLDEN_JOBS = {
     "slurm_1node.sbatch": SlurmJob(
         megatron_path="$HOME/Megatron-LM", nvme_path="/local/nvme", pfs_path="$SCRATCH/mlp-offload",
-        model_args=MODEL_ARGS, mlp_args="--mlp-offload-host-cache 64GB --mlp-offload-subgroup-size 100M",
+        model_args=MODEL_ARGS, mlp_args="--mlp-offload-host-memory 64GB --mlp-offload-subgroup-size 100M",
         nodes=1, gpus_per_node=4, time="02:00:00", partition="gpu", account="myproj", cpus_per_gpu=8,
         setup=("source $HOME/venv/bin/activate",)),
     "slurm_4node.sbatch": SlurmJob(
         megatron_path="$HOME/Megatron-LM", nvme_path="/local/nvme", pfs_path="$SCRATCH/mlp-offload",
-        model_args=MODEL_ARGS, mlp_args="--mlp-offload-host-cache 64GB", nodes=4, gpus_per_node=8,
+        model_args=MODEL_ARGS, mlp_args="--mlp-offload-host-memory 64GB", nodes=4, gpus_per_node=8,
         time="1-00:00:00", partition="gpu", account="myproj", cpus_per_gpu=8, nvme_bw="6GB/s",
         setup=("source $HOME/venv/bin/activate",)),
     "slurm_2node_torchrun.sbatch": SlurmJob(
@@ -336,7 +336,7 @@ def test_job_without_pfs_uses_nvme_only_and_no_calibration_when_disabled(tmp_pat
 
 PBS_GOLDEN = {"pbs_2node.pbs": SlurmJob(
     megatron_path="$HOME/Megatron-LM", nvme_path="/local/scratch", pfs_path="/lus/grand/projects/myproj/mlp",
-    model_args=MODEL_ARGS, mlp_args="--mlp-offload-host-cache 64GB", nodes=2, gpus_per_node=4,
+    model_args=MODEL_ARGS, mlp_args="--mlp-offload-host-memory 64GB", nodes=2, gpus_per_node=4,
     time="06:00:00", partition="prod", account="myproj", cpus_per_gpu=8,
     setup=("module load conda", "conda activate megatron"))}
 

@@ -136,3 +136,19 @@ def test_plan_names_the_cache_flag_when_the_calibration_cache_is_under_a_file(ca
     rc, out, err = run(capsys, "--paths", f"{tmp_path}:bw=1GB/s", "--num-params", "1M", "--ranks-per-node", "1",
                        "--calibration-cache", f"{blocker}/cal.json")
     assert rc == 2 and f"--calibration-cache: cannot use {blocker}/cal.json as the calibration cache" in err, err
+
+
+def test_host_memory_is_spent_as_the_optimizer_spends_it_when_given(capsys, tmp_path):
+    # 1B params on one rank: 4 GB of bf16 staging, then 1.2 GB subgroup buffers: 5 working, 2 cache.
+    argv = ["--paths", f"{tmp_path}:bw=1GB/s,rw=shared", "--num-params", "1B", "--subgroup-params", "100M",
+            "--ranks-per-node", "1", "--calibration", "off"]
+    rc, out, err = run(capsys, *argv, "--host-memory", str(4 * 10**9 + 7 * 1_200_000_000 + 5), "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    m = d["config"]["host_memory"]
+    assert m["staging_bytes"] == 4 * 10**9 and (m["working_buffers"], m["cache_buffers"]) == (5, 2)
+    assert d["config"]["working_buffers"] == 5 and d["config"]["host_cache_bytes"] == 2 * 1_200_000_000
+    tier = d["placement"]["tiers"][0]
+    assert tier["read_bytes"] == tier["write_bytes"] == 3 * 1_200_000_000, "the same as cache 2.4GB + 5 buffers"
+    rc, _, err = run(capsys, *argv, "--host-memory", "5GB")
+    assert rc == 2 and "--mlp-offload-host-memory" in err and "minimum pipeline" in err

@@ -170,6 +170,14 @@ public:
     // bandwidth available to this pool's threads (the bound of a memory-bound step).
     int copy(void* dst, const void* src, std::size_t nbytes, int num_threads = 0);
 
+    // The memory traffic of step() with no arithmetic: on the same pool and partition, reads
+    // param/exp_avg/exp_avg_sq and grad and writes the three arrays back in place and `out`
+    // (non-temporal where aligned, as the AVX-512 path). Leaves the arrays' values unchanged and
+    // writes arbitrary bytes to `out`. No Adam step with the same
+    // arguments can move its bytes faster: the upper bound of bench adam. Returns 0 or -EINVAL.
+    int traffic(float* param, float* exp_avg, float* exp_avg_sq, const void* grad, DType grad_dtype, void* out,
+                DType out_dtype, std::size_t n, int num_threads = 0);
+
 private:
     // Splits [0, n) into at most `want` pieces whose boundaries are multiples of kChunkElems, so
     // no two threads write the same cache line of any array.

@@ -148,6 +148,23 @@ void bind_adam(py::module_& m) {
             py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("num_threads") = 0,
             "memcpy split over the pool (the bandwidth bound of bench adam).")
         .def(
+            "traffic",
+            [](CpuAdam& a, std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
+               std::uintptr_t grad, int grad_dtype, std::uintptr_t out, int out_dtype, std::size_t n,
+               int num_threads) {
+                const DType gdt = to_dtype(grad_dtype), odt = to_dtype(out_dtype);
+                int rc;
+                {
+                    py::gil_scoped_release release;
+                    rc = a.traffic(ptr<float>(param), ptr<float>(exp_avg), ptr<float>(exp_avg_sq),
+                                   ptr<const void>(grad), gdt, out ? ptr<void>(out) : nullptr, odt, n, num_threads);
+                }
+                check(rc, "traffic");
+            },
+            py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"), py::arg("grad_dtype"),
+            py::arg("out"), py::arg("out_dtype"), py::arg("numel"), py::arg("num_threads") = 0,
+            "The fused step's reads and writes with no arithmetic (the upper bound of bench adam).")
+        .def(
             "sqrt",
             [](CpuAdam& a, std::uintptr_t in, std::uintptr_t out, std::size_t n) {
                 int rc;
