@@ -39,7 +39,7 @@ if ROOT not in sys.path:
 
 # In the order they run: the cheap exactness checks first, the timings last.
 CHECKS = ("pinned_staging", "d2h_exact", "h2d_exact", "stock_parity", "fp16_skip", "overlap", "grad_dtype",
-          "checkpoint", "transfer_bandwidth", "iteration_time", "memory_saved")
+          "checkpoint", "trace", "transfer_bandwidth", "iteration_time", "memory_saved")
 GPU_ONLY = ("pinned_staging", "transfer_bandwidth", "iteration_time", "memory_saved")
 PARITY_REL_TOL = 1e-3   # losses and grad norms, GPU Adam (stock) against the host's fused Adam
 MIN_BYTES_SAVED_PER_PARAM = 12   # fp32 master + m + v no longer on the device
@@ -462,6 +462,29 @@ def check_checkpoint(ctx: Context) -> None:
            bitwise_losses=resumed.losses == continued.losses)
 
 
+def check_trace(ctx: Context) -> None:
+    """--mlp-offload-trace: a window of steps written as Chrome trace JSON, with the tiers' requests,
+    the kernels and, on a GPU, the copies read off their CUDA events (NVTX ranges around them)."""
+    spec = parity_spec(ctx.gpu)
+    trace_dir = tempfile.mkdtemp(prefix="trace-", dir=ctx.work_dir)
+    train_one(ctx, spec, parity_mlp(ctx, spec, "trace", trace_dir=trace_dir, trace_steps="2-3"), 4,
+              keep_params=False)
+    path = os.path.join(trace_dir, "mlp-offload-trace-rank0.json")
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    spans = [e for e in events if e.get("ph") == "X"]
+    lanes = {}
+    for e in spans:
+        lane = next((e2["args"]["name"] for e2 in events if e2.get("ph") == "M" and e2.get("name") == "thread_name"
+                     and e2.get("tid") == e.get("tid")), str(e.get("tid")))
+        lanes[lane] = lanes.get(lane, 0) + 1
+    tier_lanes = [n for n in lanes if n.startswith("tier")]
+    ok = bool(tier_lanes) and lanes.get("kernel", 0) > 0 and lanes.get("D2H", 0) > 0 and lanes.get("H2D", 0) > 0 \
+        and all(e["dur"] >= 0 for e in spans)
+    record(ctx, "trace", ok=ok, spans_per_lane=lanes, lanes=sorted(names), window="2-3")
+
+
 def pinned_copy_ceiling(nbytes: int = 1 << 30, reps: int = 3) -> dict:
     """GB/s of one large pinned copy each way, timed by CUDA events (best of ``reps``)."""
     import torch
@@ -671,7 +694,12 @@ def main(argv=None) -> int:
                    help="checks not started by then are recorded as skipped (default 330)")
     p.add_argument("--work-dir", default=None,
                    help="where the tier directories and the checkpoint go (default: $TMPDIR, /var/tmp or /tmp)")
+    p.add_argument("--only", default=None, type=lambda v: [c.strip() for c in v.split(",") if c.strip()],
+                   help=f"comma-separated checks to run (default: all of {', '.join(CHECKS)})")
     args = p.parse_args(argv)
+    unknown = sorted(set(args.only or ()) - set(CHECKS))
+    if unknown:
+        p.error(f"--only: unknown check(s) {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
     started = time.monotonic()
     warnings.filterwarnings("ignore")
     os.makedirs(args.out, exist_ok=True)
@@ -696,9 +724,14 @@ def main(argv=None) -> int:
                  ("overlap", check_overlap, ("overlap",)),
                  ("grad_dtype", check_grad_dtype, ("grad_dtype",)),
                  ("checkpoint", check_checkpoint, ("checkpoint",)),
+                 ("trace", check_trace, ("trace",)),
                  ("perf", check_perf, ("iteration_time", "memory_saved", "transfer_bandwidth"))]
         for label, fn, names in steps:
             if label == "perf" and not gpu:
+                continue
+            if args.only and not set(names) & set(args.only):
+                for n in names:
+                    ctx.results.setdefault(n, {"ok": None, "skipped": True, "reason": "not asked for (--only)"})
                 continue
             if ctx.seconds_left() <= 0:
                 for n in names:
@@ -716,7 +749,7 @@ def main(argv=None) -> int:
             write_summary(out_json, summary(ctx, device, started))
         if not gpu:
             for n in GPU_ONLY:
-                ctx.results[n] = {"ok": None, "skipped": True, "reason": "no GPU on this machine"}
+                ctx.results.setdefault(n, {"ok": None, "skipped": True, "reason": "no GPU on this machine"})
     finally:
         data = summary(ctx, device, started)
         write_summary(out_json, data)

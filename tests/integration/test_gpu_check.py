@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import gpu_check  # noqa: E402
 
-CPU_CHECKS = ("d2h_exact", "h2d_exact", "stock_parity", "fp16_skip", "overlap", "grad_dtype", "checkpoint")
+CPU_CHECKS = ("d2h_exact", "h2d_exact", "stock_parity", "fp16_skip", "overlap", "grad_dtype", "checkpoint", "trace")
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +96,19 @@ def test_params_near_zero_agree_within_the_step_rounding_and_not_beyond():
     assert gpu_check.param_agreement(close, stock, lr)["elements_disagreeing"] == 0
     result = gpu_check.param_agreement(far, stock, lr)
     assert result["elements_disagreeing"] == 1 and result["worst_element"]["ulps"] >= 2
+
+
+def test_only_runs_the_checks_asked_for_and_records_the_others_as_not_asked(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_ONLY="trace")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checks = json.loads((tmp_path / "gpu_check.json").read_text())["checks"]
+    assert checks["trace"]["ok"] is True and checks["trace"]["spans_per_lane"]["kernel"] > 0
+    assert checks["stock_parity"]["skipped"] is True and "--only" in checks["stock_parity"]["reason"]
+
+
+def test_an_unknown_check_name_is_refused_naming_the_choices(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--out", str(tmp_path), "--only", "stock_parity,nope"])
+    assert "--only: unknown check(s) nope" in capsys.readouterr().err
