@@ -414,16 +414,10 @@ def check_checkpoint(ctx: Context) -> None:
     meta = {"distrib_optim_sharding_type": "dp_reshardable"}
     before, after = 3, 2
 
-    def core(model):
-        m = model[0].module
-        while hasattr(m, "module"):
-            m = m.module
-        return m
-
     model, opt = build(spec, parity_mlp(ctx, spec, "ckpt"))
     try:
         train(spec, model, opt, before)
-        model_sd = core(model).sharded_state_dict()
+        model_sd = gpt.gpt_model(model).sharded_state_dict()
         dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, metadata=meta)},
                                 ckpt)
         continued = train(spec, model, opt, after, first=before)
@@ -434,10 +428,10 @@ def check_checkpoint(ctx: Context) -> None:
         # Stock without TE/Apex cannot load into an optimizer that has no state yet: one step
         # creates it; the load then overwrites params, Adam state and step.
         gpt.train_step(spec, model, opt, 0)
-        model_sd = core(model).sharded_state_dict()
+        model_sd = gpt.gpt_model(model).sharded_state_dict()
         loaded = dist_checkpointing.load(
             {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=meta)}, ckpt)
-        core(model).load_state_dict(loaded["model"])
+        gpt.gpt_model(model).load_state_dict(loaded["model"])
         opt.load_state_dict(loaded["optimizer"])
         # Stock without TE/Apex (torch AdamW keeps a 'step' per param) does not resume its step
         # from a dp_reshardable checkpoint: after the load every param shares one 'step' tensor

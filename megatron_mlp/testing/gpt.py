@@ -201,6 +201,15 @@ def pipeline_train_step(spec: TinyGPT, model, optimizer, iteration: int) -> floa
     return float(outputs[0]["loss"])
 
 
+def gpt_model(model):
+    """The GPTModel inside a model chunk list (DDP -> Float16Module -> GPTModel): what
+    ``sharded_state_dict`` and ``load_state_dict`` of a checkpoint work on."""
+    m = model[0].module
+    while hasattr(m, "module"):
+        m = m.module
+    return m
+
+
 def model_params(model) -> dict[str, torch.Tensor]:
     """Copies of this rank's model params by name (for bitwise comparisons)."""
     return {n: p.detach().clone() for n, p in model[0].named_parameters()}

@@ -121,9 +121,7 @@ def _checkpoint_run(rank, world_size, spec, tp, mlp_config, iters_before, iters_
 
     model, opt = build(spec, tp, mlp_config, inner_factory=inner_factory)
     meta = {"distrib_optim_sharding_type": sharding_type}
-    gpt_model = model[0].module
-    while hasattr(gpt_model, "module"):  # DDP -> Float16Module -> GPTModel
-        gpt_model = gpt_model.module
+    gpt_model = gpt.gpt_model(model)
     if mode == "save":
         for i in range(iters_before):
             gpt.train_step(spec, model, opt, i)

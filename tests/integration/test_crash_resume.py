@@ -36,10 +36,8 @@ def _cfg(tier):
 
 
 def _gpt_model(model):
-    m = model[0].module
-    while hasattr(m, "module"):
-        m = m.module
-    return m
+    from megatron_mlp.testing.gpt import gpt_model
+    return gpt_model(model)
 
 
 def _save(model, opt, ckpt):

@@ -37,10 +37,8 @@ def _inner_optimizers(opt):
 
 
 def _gpt_model(model):
-    m = model[0].module
-    while hasattr(m, "module"):
-        m = m.module
-    return m
+    from megatron_mlp.testing.gpt import gpt_model
+    return gpt_model(model)
 
 
 def _sharded_state_dict(model, opt, loading):
