@@ -529,7 +529,7 @@ def summarize(args, tiers, bandwidth, results, bandwidth_after=None) -> dict:
     plan = SubgroupPlan([(0, numel)], args.subgroup_params)
     config = _config(args, tiers)
     memory = host_memory_for(plan, config)
-    placement = plan_for(plan, config, args.ranks, memory)
+    placement = plan_for(plan, config, args.ranks, memory=memory)
     # Bytes of state over all ranks (fp32 params, exp_avg, exp_avg_sq) and of what host memory
     # carries between steps: the cache and the working buffers' subgroups.
     warm_bytes = warm_subgroups(config, memory) * plan.max_region_bytes * args.ranks
