@@ -354,7 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     import torch
-    logging.getLogger("megatron_mlp").setLevel(logging.ERROR)   # failover warnings are expected here
+    # Failover warnings are expected here; the level is restored when the campaign ends, so that
+    # a caller (a test, a notebook) keeps seeing the package's warnings afterwards.
+    package_logger = logging.getLogger("megatron_mlp")
+    previous_level = package_logger.level
+    package_logger.setLevel(logging.ERROR)
     work = tempfile.mkdtemp(prefix="mlp-faultbench-", dir=args.dir)
     rng = random.Random(args.seed)
     spec = {"steps": args.steps, "faults": args.faults_per_kind, "num_params": args.num_params,
@@ -413,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             "failed_kinds": {k: r["error"] for k, r in results.items() if "error" in r},
         }
     finally:
+        package_logger.setLevel(previous_level)
         shutil.rmtree(work, ignore_errors=True)
         for d in created_shm:
             shutil.rmtree(d, ignore_errors=True)
