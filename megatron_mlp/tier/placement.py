@@ -367,8 +367,9 @@ def _cache_sets(sizes, moves, host_cache_bytes, cached_subgroups, cache_model, w
             raise ConfigError(f"cached subgroup index out of range 0..{n - 1}")
         used = sum(sizes[i] for i in cached)
         if used > host_cache_bytes:
-            raise ConfigError(f"--mlp-offload-host-cache: the cached subgroups need {used} bytes, "
-                              f"the budget is {host_cache_bytes}")
+            raise ConfigError(f"host cache (the part of --mlp-offload-host-memory left after staging and "
+                              f"working buffers): the cached subgroups need {used} bytes, the cache has "
+                              f"{host_cache_bytes}")
     return [[(0, 0) if i in cached else m for i, m in enumerate(moves)]], cached, sum(sizes[i] for i in cached)
 
 
@@ -462,7 +463,7 @@ def plan_placement(subgroup_bytes: Sequence[int],
     if any(s < 0 for s in sizes):
         raise ConfigError("subgroup sizes must be non-negative")
     if host_cache_bytes < 0:
-        raise ConfigError(f"--mlp-offload-host-cache: {host_cache_bytes} must be >= 0")
+        raise ConfigError(f"host cache (from --mlp-offload-host-memory): {host_cache_bytes} bytes must be >= 0")
     moves = _as_pairs(moved_bytes, sizes)
     n = len(sizes)
     pmoves, cached, cached_bytes = _cache_sets(sizes, moves, host_cache_bytes, cached_subgroups, cache_model,

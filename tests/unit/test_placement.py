@@ -89,7 +89,7 @@ def test_default_cache_set_takes_whole_subgroups_from_the_end_when_budget_is_par
 
 
 def test_explicit_cache_set_rejected_when_it_exceeds_the_budget():
-    with pytest.raises(ConfigError, match="--mlp-offload-host-cache"):
+    with pytest.raises(ConfigError, match="host cache .*--mlp-offload-host-memory.*need"):
         plan_placement([GB] * 4, None, [tier("/d", 1)], 1, host_cache_bytes=GB, cached_subgroups=[0, 1])
 
 
