@@ -274,10 +274,13 @@ _FORKING_OWNER = textwrap.dedent("""
     import os, sys, time
     from megatron_mlp.tier.scratch import create_scratch_dir
     s = create_scratch_dir(sys.argv[1], "forkjob-r0-p1", job_id="forkjob")
+    ready_r, ready_w = os.pipe()
     child = os.fork()
     if child == 0:           # a data-loader worker, say: outlives its parent
+        os.write(ready_w, b"x")   # running, so past the at-fork handlers that drop the lock
         time.sleep(60)
         os._exit(0)
+    os.read(ready_r, 1)      # the owner is killed only once the child has really started
     print(s.path, child, flush=True)
     time.sleep(60)
 """)
