@@ -120,7 +120,7 @@ class _OffloadInner:
         self._d2h_stream = torch.cuda.Stream() if self._cuda else None
         self._h2d_stream = torch.cuda.Stream() if self._cuda else None
         self._round_buffer = None       # device bf16 buffer for grad_transfer='bf16'
-        self._grad_events: list = []    # (start, end, event) per gradient chunk of this step
+        self._grad_events: list = []    # (start, end, event) per gradient chunk of this step (trace too)
         self._timing: dict = {}         # this step's CUDA events, read by transfer_timings()
         self._accepts_grads_ready = "grads_ready" in _parameters(getattr(offload, "step", None))
         self.last_stats: dict = {}
@@ -129,14 +129,14 @@ class _OffloadInner:
         self.tier_bytes: dict[str, list[int]] = {}
         self.metrics = IntervalMetrics()   # taken by the training-log hook for Megatron's writers
         self._trace = None                 # the StepTrace while a step runs (copies' spans)
-        self._chunk_events: list = []      # this step's gradient chunks and events, for the trace
         _log_grad_transfer(grad_dtype, self.transfer_dtype, numel, grad_transfer)
 
     @property
     def staging_bytes(self) -> int:
-        """Host bytes of the gradient and param staging buffers (pinned on a GPU)."""
-        return self._grads_host.numel() * self._grads_host.element_size() + \
-            self._params_host.numel() * self._params_host.element_size()
+        """Host bytes of the gradient and param staging buffers (pinned on a GPU): the figure the
+        host-memory budget counts for them."""
+        from megatron_mlp.optim.host_memory import staging_bytes
+        return staging_bytes(self._numel, self._grads_host.dtype, self._params_host.dtype)
 
     # -- Megatron's inner-optimizer protocol -------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -307,7 +307,6 @@ class _OffloadInner:
                 self._copy_grad_range(start, end)
                 self._grad_events.append((start, end, self._record_event(self._d2h_stream)))
             self._timing["d2h_end"] = self._record_event(self._d2h_stream)
-        self._chunk_events = list(self._grad_events)   # _wait_for_grads consumes the other list
 
     def _copy_grad_range(self, start: int, end: int) -> None:
         for s in self._segments:
@@ -330,16 +329,11 @@ class _OffloadInner:
                 dst[a:b].copy_(rounded, non_blocking=True)
 
     def _wait_for_grads(self, start: int, end: int) -> None:
-        """Return once the host gradient holds ``[start, end)``."""
-        if not self._grad_events:
-            return
-        rest = []
+        """Return once the host gradient holds ``[start, end)`` (an event already reached returns
+        at once, so the list stays whole for the trace)."""
         for lo, hi, event in self._grad_events:
             if lo < end and start < hi:
                 event.synchronize()
-            else:
-                rest.append((lo, hi, event))
-        self._grad_events = rest
 
     @staticmethod
     def _record_event(stream):
@@ -388,7 +382,7 @@ class _OffloadInner:
             return anchor_host + anchor.elapsed_time(event) / 1e3
 
         start = host(t["d2h_start"])
-        for lo, hi, event in self._chunk_events:
+        for lo, hi, event in self._grad_events:
             end = host(event)
             trace.span("D2H", "grad copy", start, end, elements=hi - lo,
                        bytes=(hi - lo) * self._grads_host.element_size())

@@ -26,7 +26,7 @@ class _Event:
 def test_device_copies_become_spans_on_the_host_clock_when_anchored_by_the_kernels_done_event(tmp_path):
     inner = _OffloadInner.__new__(_OffloadInner)
     inner._grads_host = torch.empty(0, dtype=torch.bfloat16)
-    inner._chunk_events = [(0, 1000, _Event(20.0)), (1000, 3000, _Event(50.0))]
+    inner._grad_events = [(0, 1000, _Event(20.0)), (1000, 3000, _Event(50.0))]
     inner._timing = {"d2h_start": _Event(0.0), "kernels_done": _Event(100.0), "kernels_done_host": 10.0,
                      "h2d": [(_Event(60.0), _Event(70.0), 4096)]}
     trace = StepTrace(str(tmp_path / "t.json"), (1, 1))
