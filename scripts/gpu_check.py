@@ -198,15 +198,24 @@ def _bits(t):
     return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.int8}[t.element_size()])
 
 
+def _ordered(t):
+    """The float bits as integers that order like the floats (negative floats mirrored), so that
+    the difference of two is their distance in units in the last place."""
+    import torch
+    bits = _bits(t).long().view(-1)
+    sign = 1 << (t.element_size() * 8 - 1)
+    return torch.where(bits < 0, -(bits & (sign - 1)), bits)
+
+
+def ulp_distances(a, b):
+    """Element-wise distance in units in the last place of two tensors of one 16/32-bit float dtype."""
+    return (_ordered(a) - _ordered(b)).abs()
+
+
 def max_ulp_distance(a, b) -> int:
     """Largest distance in units in the last place between two tensors of one 16/32-bit float dtype."""
-    import torch
-    ia, ib = _bits(a).long().view(-1), _bits(b).long().view(-1)
-    sign = 1 << (a.element_size() * 8 - 1)
-    # Two's-complement ints order like the floats once negative floats are mirrored.
-    oa = torch.where(ia < 0, -(ia & (sign - 1)), ia)
-    ob = torch.where(ib < 0, -(ib & (sign - 1)), ib)
-    return int((oa - ob).abs().max()) if oa.numel() else 0
+    d = ulp_distances(a, b)
+    return int(d.max()) if d.numel() else 0
 
 
 def param_agreement(mlp: dict, stock: dict, lr: float) -> dict:
@@ -217,15 +226,12 @@ def param_agreement(mlp: dict, stock: dict, lr: float) -> dict:
     about ``lr``), so a param crossing zero can sit many ulps apart while the two differ by a few
     fp32 roundings of its update. Returns the worst element with both values.
     """
-    import torch
     abs_tol = lr * 2.0 ** -16
     worst = {"ulps": -1}
     disagree = 0
     for name in stock:
         a, b = mlp[name].float().view(-1), stock[name].float().view(-1)
-        ia, ib = _bits(mlp[name]).long().view(-1), _bits(stock[name]).long().view(-1)
-        sign = 1 << (mlp[name].element_size() * 8 - 1)
-        ulps = (torch.where(ia < 0, -(ia & (sign - 1)), ia) - torch.where(ib < 0, -(ib & (sign - 1)), ib)).abs()
+        ulps = ulp_distances(mlp[name], stock[name])
         bad = (ulps > 1) & ((a - b).abs() > abs_tol)
         disagree += int(bad.sum())
         if ulps.numel() and int(ulps.max()) > worst["ulps"]:
