@@ -406,7 +406,7 @@ def _parameters(fn) -> set:
 
 def _log_grad_transfer(grad_dtype, transfer_dtype, numel: int, grad_transfer: str) -> None:
     """Say once, at start, what the gradient costs on its way to the host."""
-    size = torch.tensor([], dtype=transfer_dtype).element_size()
+    size = transfer_dtype.itemsize
     name = str(transfer_dtype).replace("torch.", "")
     logger.info("MLP-Offload: the reduced gradient leaves the device as %s (%d bytes/param, %d bytes per step "
                 "for this rank's %d params)%s", name, size, size * numel, numel,
