@@ -33,7 +33,7 @@ import time
 from megatron_mlp.bench.io_geometry import add_io_geometry_args, io_geometry
 from megatron_mlp.config import DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEUE_DEPTH
 from megatron_mlp.errors import ConfigError, EngineUnavailable
-from megatron_mlp.tier.spec import parse_size
+from megatron_mlp.units import parse_size
 
 GB = 1e9
 LOADS = ("cpu", "memory-read", "memory-write", "adam")

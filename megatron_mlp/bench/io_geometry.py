@@ -10,7 +10,7 @@ import argparse
 
 from megatron_mlp.config import DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEUE_DEPTH
 from megatron_mlp.errors import ConfigError
-from megatron_mlp.tier.spec import parse_size
+from megatron_mlp.units import parse_size
 
 
 def add_io_geometry_args(p: argparse.ArgumentParser) -> None:

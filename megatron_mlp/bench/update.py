@@ -65,7 +65,8 @@ import time
 
 from megatron_mlp.bench.io_geometry import add_io_geometry_args, io_geometry
 from megatron_mlp.errors import ConfigError
-from megatron_mlp.tier.spec import TierSpec, parse_size, parse_tier_paths
+from megatron_mlp.tier.spec import TierSpec, parse_tier_paths
+from megatron_mlp.units import parse_size
 
 _OFF = dict(multipath=False, use_tokens=False, cache_order=False, deferred_upcast=False, warm_buffers=False)
 ABLATION = (

@@ -23,14 +23,13 @@ import sys
 from megatron_mlp.config import BACKENDS, GRAD_TRANSFERS, ORDER_POLICIES, MLPOffloadConfig
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier.shared import node_share, num_nodes_from_env
-from megatron_mlp.tier.spec import parse_size, parse_tier_paths
+from megatron_mlp.tier.spec import parse_tier_paths
+from megatron_mlp.units import parse_count, parse_size
 
 GROUP_TITLE = "MLP-Offload"
 ENV_CPU = "MLP_OFFLOAD_CPU"
 ENV_RUNTIME_DIR = "MLP_OFFLOAD_RUNTIME_DIR"
 
-_COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMbBgG]?)\s*$")
-_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
 # Flag defaults come from the config's own defaults, so the two can never drift apart.
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(MLPOffloadConfig)}
 
@@ -148,19 +147,6 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         f"imported. Same as {ENV_CPU}=1. Use with --transformer-impl local --mock-data "
                         f"--distributed-backend gloo --use-cpu-initialization.")
     return parser
-
-
-def parse_count(text, flag: str) -> int:
-    """Parse a parameter count such as '100M', '1.5B', '2.5e7' or 25000000."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    m = _COUNT_RE.match(str(text))
-    if not m:
-        raise ConfigError(f"{flag}: cannot parse parameter count {text!r} (examples: 100M, 1.5B, 25000000)")
-    value = float(m.group(1)) * _COUNT_UNITS[m.group(2).lower()]
-    if value != int(value):
-        raise ConfigError(f"{flag}: {text!r} is not a whole number of parameters")
-    return int(value)
 
 
 def _size(args, dest: str, flag: str) -> int:

@@ -2,16 +2,12 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
 from megatron_mlp.errors import ConfigError
+from megatron_mlp.units import parse_rate, parse_size
 
 PATHS_FLAG = "--mlp-offload-paths"
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
 @dataclass(frozen=True)
@@ -42,24 +38,6 @@ def shares_rw_limit(spec: TierSpec) -> bool:
     if spec.shared_rw_limit is not None:
         return spec.shared_rw_limit
     return spec.qos_bytes_per_s is None
-
-
-def parse_size(text: str, flag: str, what: str = "size") -> int:
-    """Parse '100GB', '1.5GiB', '4096' into bytes; errors name the flag and the text."""
-    m = _SIZE_RE.match(text)
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise ConfigError(f"{flag}: cannot parse {what} {text!r} (examples: 4096, 200GB, 1.5GiB)")
-    return int(float(m.group(1)) * _UNITS[unit])
-
-
-def parse_rate(text: str, flag: str) -> float:
-    """Parse '6GB/s' or '6GB' into bytes per second."""
-    body = text[:-2] if text.lower().endswith("/s") else text
-    value = parse_size(body, flag, "bandwidth")
-    if value <= 0:
-        raise ConfigError(f"{flag}: bandwidth {text!r} must be positive")
-    return float(value)
 
 
 def _split_options(item: str) -> tuple[str, str]:

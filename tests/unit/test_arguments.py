@@ -11,7 +11,8 @@ import pytest
 from megatron_mlp.config import MLPOffloadConfig
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.megatron import arguments
-from megatron_mlp.megatron.arguments import add_mlp_offload_args, config_from_args, cpu_requested, parse_count
+from megatron_mlp.megatron.arguments import add_mlp_offload_args, config_from_args, cpu_requested
+from megatron_mlp.units import parse_count
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,103 @@
+"""Sizes, rates and counts as people write them: ``8MiB``, ``200GB``, ``6GB/s``, ``100M``, ``1.5B``.
+
+The ground floor of the package (it imports only :mod:`megatron_mlp.errors`): every flag and
+option that takes a size or a count parses it here, so one grammar holds everywhere, and every
+error names the flag and the text.
+"""
+from __future__ import annotations
+
+import re
+from decimal import Context, Decimal, DecimalException, localcontext
+
+from megatron_mlp.errors import ConfigError
+
+SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+              "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+# A number (``25000000``, ``1.5``, ``.5``, ``2.``), an optional exponent (``2.5e7``, ``5e-1``),
+# then an optional decimal unit (k, M, B or G, T), any case, blanks allowed around each part.
+_COUNT_RE = re.compile(r"^\s*\+?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*([kmbgtKMBGT]?)\s*$")
+MAX_COUNT = 10**18
+"""Larger than any count of parameters or subgroups this package plans; a bound on the text's
+exponent, so that ``1e999999`` is refused rather than expanded."""
+
+
+def parse_size(text: str, flag: str, what: str = "size") -> int:
+    """Bytes from '100GB', '1.5GiB', '4096' (decimal k/M/G/T and binary KiB/MiB/GiB/TiB units).
+
+    Raises:
+        ConfigError: the text is not a size; names ``flag`` and the text.
+    """
+    m = _SIZE_RE.match(text)
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in SIZE_UNITS:
+        raise ConfigError(f"{flag}: cannot parse {what} {text!r} (examples: 4096, 200GB, 1.5GiB)")
+    return int(float(m.group(1)) * SIZE_UNITS[unit])
+
+
+def parse_rate(text: str, flag: str) -> float:
+    """Bytes per second from '6GB/s' or '6GB'.
+
+    Raises:
+        ConfigError: not a size, or not positive; names ``flag`` and the text.
+    """
+    body = text[:-2] if text.lower().endswith("/s") else text
+    value = parse_size(body, flag, "bandwidth")
+    if value <= 0:
+        raise ConfigError(f"{flag}: bandwidth {text!r} must be positive")
+    return float(value)
+
+
+def parse_count(text, flag: str, what: str = "count") -> int:
+    """A whole count of at least 1 from '100M', '1.5B', '2.5e7', '7b', '4k', '25000000' or an int.
+
+    Units are decimal (k = 10**3, M = 10**6, B or G = 10**9, T = 10**12), any case. The value is
+    computed exactly (``1.1B`` is 1_100_000_000), and one that is not whole is refused rather
+    than rounded.
+
+    Raises:
+        ConfigError: not a count, not whole, below 1 or above :data:`MAX_COUNT`; names ``flag``
+            and the text.
+    """
+    if isinstance(text, bool):
+        raise ConfigError(f"{flag}: {text!r} is not a {what}")
+    if isinstance(text, int):
+        value = Decimal(text)
+    else:
+        m = _COUNT_RE.match(str(text))
+        if not m:
+            raise ConfigError(f"{flag}: cannot parse {what} {text!r} (examples: 4096, 100M, 1.5B, 2.5e7)")
+        number, exponent, unit = m.groups()
+        try:
+            with localcontext(Context(prec=len(str(text)) + 20)):   # exact: digits of the text + the unit's
+                value = Decimal(number + (exponent or "")) * COUNT_UNITS[unit.lower()]
+        except DecimalException:   # an exponent beyond Decimal's range
+            raise ConfigError(f"{flag}: {text!r} is larger than {MAX_COUNT}") from None
+    if value > MAX_COUNT:
+        raise ConfigError(f"{flag}: {text!r} is larger than {MAX_COUNT}")
+    if value != value.to_integral_value():
+        raise ConfigError(f"{flag}: {text!r} is not a whole {what}")
+    if value < 1:
+        raise ConfigError(f"{flag}: {text!r} must be a {what} of at least 1")
+    return int(value)
+
+
+def format_count(value: int) -> str:
+    """The shortest exact spelling of a count: 100_000_000 -> '100M', 4096 -> '4096'.
+    ``parse_count(format_count(n)) == n`` for every n >= 1."""
+    for unit, factor in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if value and value % factor == 0:
+            return f"{value // factor}{unit}"
+    return str(value)
+
+
+def format_size(value: int) -> str:
+    """The shortest exact spelling of a size: 8 << 20 -> '8MiB', 8 * 10**9 -> '8GB', 0 -> '0'.
+    ``parse_size(format_size(n)) == n`` for every n >= 0."""
+    for unit, factor in (("TiB", 2**40), ("TB", 10**12), ("GiB", 2**30), ("GB", 10**9),
+                         ("MiB", 2**20), ("MB", 10**6), ("KiB", 2**10), ("kB", 10**3)):
+        if value and value % factor == 0:
+            return f"{value // factor}{unit}"
+    return str(value)
