@@ -10,6 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from megatron_mlp.engine.defaults import DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEUE_DEPTH
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier.spec import TierSpec, parse_tier_paths
 
@@ -17,13 +18,6 @@ ORDER_POLICIES = ("alternate", "ascending")
 GRAD_TRANSFERS = ("auto", "bf16")
 BACKENDS = ("auto", "io_uring", "threads")
 CALIBRATION_MODES = ("auto", "off")  # or a path to a calibration JSON file
-# The I/O geometry of the tiers' engines, also used by the calibration and the benches' bandwidth
-# passes so that a tier is measured as the optimizer drives it. Deep queues of large tasks: on a
-# virtualized disk whose host shares memory bandwidth with our cores, 32 tasks of 8 MiB kept a step
-# 10-16 % faster than 8 of 1 MiB (docs/benchmarks/update.md); an NVMe or a parallel file system
-# takes such requests at full rate too (Lustre and GPFS prefer multi-MiB requests).
-DEFAULT_IO_BLOCK_BYTES = 8 << 20
-DEFAULT_IO_QUEUE_DEPTH = 32
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_mlp.config import DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEUE_DEPTH
+from megatron_mlp.engine.defaults import DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEUE_DEPTH
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.units import parse_size
 

@@ -29,7 +29,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, fields
 
-from megatron_mlp.config import DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEUE_DEPTH
+from megatron_mlp.engine.defaults import DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEUE_DEPTH
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier.device import device_info
 from megatron_mlp.tier.spec import TierSpec
