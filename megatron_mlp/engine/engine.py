@@ -16,6 +16,7 @@ import numpy as np
 
 from megatron_mlp.errors import ConfigError, EngineUnavailable, TierIOError
 from megatron_mlp.engine.buffer import HostBuffer
+from megatron_mlp.engine.defaults import DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEUE_DEPTH
 
 logger = logging.getLogger("megatron_mlp.engine")
 
@@ -191,8 +192,9 @@ class Engine:
 
     Args:
         backend: "auto" (io_uring when the kernel allows it, else the thread pool), "io_uring" or "threads".
-        block_bytes: requests are split into transfers of this size (a multiple of 4096).
-        queue_depth: transfers in flight at once.
+        block_bytes: requests are split into transfers of this size (a multiple of 4096); by
+            default the optimizer's (``engine.defaults``).
+        queue_depth: transfers in flight at once; by default the optimizer's.
         num_threads: workers of the thread-pool backend.
         read_limit_bytes_per_s, write_limit_bytes_per_s: bandwidth caps (0 = off): a QoS limit on a
             shared tier, or an emulated slower tier.
@@ -202,7 +204,8 @@ class Engine:
         EngineUnavailable: backend="io_uring" was asked for and the kernel refuses io_uring.
     """
 
-    def __init__(self, backend: str = "auto", block_bytes: int = 1 << 20, queue_depth: int = 8,
+    def __init__(self, backend: str = "auto", block_bytes: int = DEFAULT_IO_BLOCK_BYTES,
+                 queue_depth: int = DEFAULT_IO_QUEUE_DEPTH,
                  num_threads: int = 4, read_limit_bytes_per_s: int = 0, write_limit_bytes_per_s: int = 0,
                  *, _simulate_io_uring_error: int = 0):
         if backend not in _BACKENDS:

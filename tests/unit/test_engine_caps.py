@@ -43,7 +43,8 @@ def test_cap_holds_within_15_percent(backend, write, shm_dir):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_write_cap_does_not_slow_reads_when_only_writes_are_capped(backend, shm_dir):
-    with Engine(backend=backend, write_limit_bytes_per_s=8 * MiB) as eng:
+    # 1 MiB tasks: the capped write is six of them, which the cap spaces out over ~0.75 s.
+    with Engine(backend=backend, block_bytes=MiB, write_limit_bytes_per_s=8 * MiB) as eng:
         f = eng.open(f"{shm_dir}/cap2.bin")
         data = np.ones(8 * MiB, np.uint8)
         with Engine(backend=backend) as fast:  # fill the file without the cap
