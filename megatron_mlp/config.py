@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+import re
+import signal
+from dataclasses import dataclass
 
 from megatron_mlp.engine.defaults import DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEUE_DEPTH
 from megatron_mlp.errors import ConfigError
@@ -18,6 +20,7 @@ ORDER_POLICIES = ("alternate", "ascending")
 GRAD_TRANSFERS = ("auto", "bf16")
 BACKENDS = ("auto", "io_uring", "threads")
 CALIBRATION_MODES = ("auto", "off")  # or a path to a calibration JSON file
+_JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.+-]{1,64}$")
 
 
 @dataclass(frozen=True)
@@ -95,8 +98,22 @@ class MLPOffloadConfig:
     trace_steps: tuple[int, int] = (2, 4)
     """--mlp-offload-trace-steps: first and last step (inclusive, counted from 1 as Megatron's
     iterations) that the trace covers."""
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
-    """Free-form annotations (job id, ...); never read by the components."""
+    # The job and the node, as the launcher describes them (read once, by megatron.arguments).
+    job_id: str = "job"
+    """--mlp-offload-job-id, else the scheduler's ($SLURM_JOB_ID, $PBS_JOBID, $TORCHELASTIC_RUN_ID): names
+    this job's scratch directories on the tiers (``<path>/mlp-offload-<job_id>-r<rank>-...``)."""
+    ranks_per_node: int = 1
+    """No flag: processes of this node sharing its tiers ($LOCAL_WORLD_SIZE, else one per GPU); an input of
+    the placement model and of the Adam kernel's share of the cores."""
+    num_nodes: int = 1
+    """No flag: nodes of the job (from the launcher's environment); a ``shared=job`` tier gives each
+    node this share of its bandwidth and capacity."""
+    exit_signal_handler: bool = False
+    """Megatron-LM's --exit-signal-handler: when tiers fail for good after a completed step, the
+    optimizer sends ``exit_signal`` to its own process, so that Megatron saves a checkpoint and exits;
+    without it the TierFailure is raised."""
+    exit_signal: int = int(signal.SIGTERM)
+    """Megatron-LM's --exit-signal: the signal its handler waits for."""
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -135,6 +152,15 @@ class MLPOffloadConfig:
         if self.calibration not in CALIBRATION_MODES and not os.path.isfile(self.calibration):
             raise ConfigError(f"--mlp-offload-calibration: {self.calibration!r} is neither 'auto', 'off' nor an "
                               "existing calibration file (write one with: megatron-mlp calibrate --cache FILE)")
+        if not isinstance(self.job_id, str) or not _JOB_ID_RE.match(self.job_id):
+            raise ConfigError(f"--mlp-offload-job-id: {self.job_id!r} must be 1-64 characters of A-Z a-z 0-9 _ . + - "
+                              "(it becomes part of a directory name)")
+        _positive("ranks_per_node", self.ranks_per_node)
+        _positive("num_nodes", self.num_nodes)
+        try:
+            object.__setattr__(self, "exit_signal", int(signal.Signals(self.exit_signal)))
+        except (ValueError, TypeError):
+            raise ConfigError(f"--exit-signal: {self.exit_signal!r} is not a signal") from None
         from megatron_mlp.observe.trace import check_writable_dir, parse_trace_steps
         object.__setattr__(self, "trace_steps", parse_trace_steps(self.trace_steps))
         if self.trace_dir is not None:

@@ -55,7 +55,9 @@ def preflight(script_args: list[str]) -> None:
         args, _ = parser.parse_known_args(script_args)
     except SystemExit as exc:  # argparse already printed which flag; keep its status
         raise ConfigError("invalid --mlp-offload* argument (see the message above)") from exc
-    config_from_args(args)
+    # A check only (the optimizer builds its own config): the ranks per node are not asked of torch,
+    # which would import it, and CUDA with it, before the hooks and the CPU harness are in place.
+    config_from_args(args, ranks_per_node=1)
 
 
 CUDA_CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"

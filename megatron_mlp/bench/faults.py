@@ -84,7 +84,7 @@ def _config(paths, spec, **overrides):
     kw = dict(subgroup_params=spec["subgroup_params"], use_tokens=False, calibration="off",
               host_cache_bytes=spec.get("host_cache_bytes", 0), io_timeout_s=spec.get("io_timeout_s", 300.0),
               prefetch_depth=spec.get("prefetch_depth", 2), flush_depth=spec.get("flush_depth", 2),
-              extra={"job_id": spec.get("job_id", "faultbench")})
+              job_id=spec.get("job_id", "faultbench"))
     kw.update(overrides)
     return MLPOffloadConfig.from_paths(";".join(paths), **kw)
 

@@ -6,9 +6,11 @@ saved with the other arguments in every checkpoint. ``config_from_args(args)`` i
 where the parsed namespace becomes the frozen :class:`MLPOffloadConfig`; every error it raises
 names the flag and the value.
 
-Every flag maps onto one field of ``MLPOffloadConfig`` except two launch switches:
-``--mlp-offload`` (no config at all when it is off) and ``--mlp-offload-cpu`` (installs the CPU
-harness before Megatron is imported, so it is read from ``sys.argv`` by the launcher).
+Every flag maps onto one field of ``MLPOffloadConfig``, and takes its default from that field,
+except two launch switches: ``--mlp-offload`` (no config at all when it is off) and
+``--mlp-offload-cpu`` (installs the CPU harness before Megatron is imported, so it is read from
+``sys.argv`` by the launcher). What the launcher says about the job and the node (job id, ranks
+per node, nodes) and Megatron-LM's exit-signal handler are read here too, once, into the config.
 
 ``python -m megatron_mlp.megatron.arguments > docs/flags.md`` regenerates the flag reference.
 """
@@ -18,13 +20,14 @@ import argparse
 import dataclasses
 import os
 import re
+import signal
 import sys
 
 from megatron_mlp.config import BACKENDS, GRAD_TRANSFERS, ORDER_POLICIES, MLPOffloadConfig
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier.shared import node_share, num_nodes_from_env
 from megatron_mlp.tier.spec import parse_tier_paths
-from megatron_mlp.units import parse_count, parse_size
+from megatron_mlp.units import format_count, format_size, parse_count, parse_size
 
 GROUP_TITLE = "MLP-Offload"
 ENV_CPU = "MLP_OFFLOAD_CPU"
@@ -57,10 +60,12 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "each node plans with its share), "
                         "e.g. '/nvme/x:bw=6GB/s;/lustre/x:cap=2TB,qos=1GB/s'. $VARS are expanded in each "
                         "process ($RANK, $LOCAL_RANK, $SLURM_JOB_ID). Required with --mlp-offload.")
-    g.add_argument("--mlp-offload-subgroup-size", type=str, default="100M", metavar="N",
+    g.add_argument("--mlp-offload-subgroup-size", type=str, default=format_count(_DEFAULTS["subgroup_params"]),
+                   metavar="N",
                    help="Parameters per subgroup, the unit streamed through host memory "
                         "(12 bytes of fp32 state each). Accepts 100M, 1.5B, 25000000.")
-    g.add_argument("--mlp-offload-host-memory", type=str, default="0", metavar="SIZE",
+    g.add_argument("--mlp-offload-host-memory", type=str, default=format_size(_DEFAULTS["host_memory_bytes"]),
+                   metavar="SIZE",
                    help="The one host-memory budget per rank (e.g. 8GB, 16GiB). It counts everything MLP-Offload "
                         "holds in host memory: the pinned gradient and param staging (the rank's shard in the "
                         "grad and param dtypes), the update pipeline's working buffers (prefetch depth + flush "
@@ -78,12 +83,13 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "number of tiers, within --mlp-offload-host-memory (both depths lowered to fit).")
     g.add_argument("--mlp-offload-tokens-per-tier", type=int, default=_DEFAULTS["tokens_per_tier"], metavar="N",
                    help="Processes of one node that may do I/O on one physical tier at a time.")
-    g.add_argument("--mlp-offload-order", type=str, default="alternate", choices=ORDER_POLICIES,
+    g.add_argument("--mlp-offload-order", type=str, default=_DEFAULTS["order"], choices=ORDER_POLICIES,
                    help="Subgroup order: 'alternate' (ascending, then descending, so the subgroups "
                         "updated last are still cached) or 'ascending'.")
-    g.add_argument("--mlp-offload-io-backend", type=str, default="auto", choices=BACKENDS,
+    g.add_argument("--mlp-offload-io-backend", type=str, default=_DEFAULTS["backend"], choices=BACKENDS,
                    help="I/O backend: 'auto' picks io_uring where the kernel allows it, else threads.")
-    g.add_argument("--mlp-offload-io-block-size", type=str, default="8MiB", metavar="SIZE",
+    g.add_argument("--mlp-offload-io-block-size", type=str, default=format_size(_DEFAULTS["block_bytes"]),
+                   metavar="SIZE",
                    help="Bytes per I/O task, a multiple of 4096 (e.g. 1MiB, 8MiB).")
     g.add_argument("--mlp-offload-io-queue-depth", type=int, default=_DEFAULTS["queue_depth"], metavar="N",
                    help="I/O tasks in flight per engine.")
@@ -93,14 +99,15 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--mlp-offload-adam-threads", type=int, default=_DEFAULTS["adam_threads"], metavar="N",
                    help="Threads of the fused CPU Adam kernel. 0: every core the rank may run on while no "
                         "tier I/O is in flight, one fewer while some is (the I/O path needs a core).")
-    g.add_argument("--mlp-offload-calibration", type=str, default="auto", metavar="auto|off|FILE",
+    g.add_argument("--mlp-offload-calibration", type=str, default=_DEFAULTS["calibration"], metavar="auto|off|FILE",
                    help="Tier bandwidths: 'auto' measures once per node and caches the result "
                         "(megatron-mlp calibrate), 'off' uses bw= options or equal shares, "
                         "or a JSON file written by megatron-mlp calibrate.")
-    g.add_argument("--mlp-offload-runtime-dir", type=str, default=None, metavar="DIR",
+    g.add_argument("--mlp-offload-runtime-dir", type=str, default=_DEFAULTS["runtime_dir"], metavar="DIR",
                    help="Directory of the node-level tier token files, shared by the ranks of a node and "
                         f"by no other node (default: ${ENV_RUNTIME_DIR}, else a per-user directory in node-local "
                         "shared memory chosen by the tier layer).")
+    # None, not the config's 'job': without the flag the scheduler's job id is asked first.
     g.add_argument("--mlp-offload-job-id", type=str, default=None, metavar="ID",
                    help="Names this job's scratch directories on the tiers (<path>/...<ID>-r<rank>-...). "
                         "Default: $SLURM_JOB_ID, $PBS_JOBID or torchrun's $TORCHELASTIC_RUN_ID, else 'job'.")
@@ -108,23 +115,23 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="A tier read or write not finished after this long fails with ETIMEDOUT (never an "
                         "endless wait); the tier is taken out of service and its subgroups move to the others.")
     g.add_argument("--mlp-offload-no-checksum", dest="mlp_offload_checksum", action="store_false",
-                   default=True,
+                   default=_DEFAULTS["checksum"],
                    help="Do not verify a checksum of every subgroup read back from storage.")
     g.add_argument("--mlp-offload-no-multipath", dest="mlp_offload_multipath", action="store_false",
-                   default=True,
+                   default=_DEFAULTS["multipath"],
                    help="Ablation: place all optimizer state on the first path only.")
     g.add_argument("--mlp-offload-no-tier-tokens", dest="mlp_offload_tier_tokens", action="store_false",
-                   default=True,
+                   default=_DEFAULTS["use_tokens"],
                    help="Ablation: no node-level concurrency control; every rank does I/O at once.")
     g.add_argument("--mlp-offload-no-cache-order", dest="mlp_offload_cache_order", action="store_false",
-                   default=True,
+                   default=_DEFAULTS["cache_order"],
                    help="Ablation: always ascending order, no reuse of the host cache across steps.")
     g.add_argument("--mlp-offload-no-deferred-upcast", dest="mlp_offload_deferred_upcast",
-                   action="store_false", default=True,
+                   action="store_false", default=_DEFAULTS["deferred_upcast"],
                    help="Ablation: convert gradients to fp32 in memory before the update "
                         "(as ZeRO-3 does) instead of upcasting inside the Adam kernel.")
     g.add_argument("--mlp-offload-no-warm-buffers", dest="mlp_offload_warm_buffers",
-                   action="store_false", default=True,
+                   action="store_false", default=_DEFAULTS["warm_buffers"],
                    help="Ablation: write back every subgroup outside the host cache in the step that "
                         "updates it (by default the working buffers keep the ones updated last, unwritten, "
                         "for the next step, which updates them first).")
@@ -134,12 +141,12 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "--grad-reduce-in-bf16). 'bf16': an fp32 shard is rounded to bf16 on the GPU right "
                         "before the copy (one rounding after fp32 accumulation and reduction; half the "
                         "device-to-host bytes and host memory).")
-    g.add_argument("--mlp-offload-trace", default=None, metavar="DIR",
+    g.add_argument("--mlp-offload-trace", default=_DEFAULTS["trace_dir"], metavar="DIR",
                    help="Write a Chrome trace (open in Perfetto or chrome://tracing; draw with "
                         "'megatron-mlp timeline') of the steps in --mlp-offload-trace-steps to "
                         "DIR/mlp-offload-trace-rank<N>.json: one span per tier fetch and write-back, token "
                         "wait, Adam kernel call and gradient/param copy, with bytes and subgroup ids.")
-    g.add_argument("--mlp-offload-trace-steps", default="2-4", metavar="FIRST-LAST",
+    g.add_argument("--mlp-offload-trace-steps", default="{}-{}".format(*_DEFAULTS["trace_steps"]), metavar="FIRST-LAST",
                    help="The iterations --mlp-offload-trace covers (inclusive; one number for one step). "
                         "Must end within --train-iters.")
     g.add_argument("--mlp-offload-cpu", action="store_true", default=False,
@@ -184,12 +191,14 @@ def _check_calibration(value: str) -> str:
     return path
 
 
-def config_from_args(args) -> MLPOffloadConfig | None:
-    """Build the frozen config from Megatron's parsed arguments.
+def config_from_args(args, ranks_per_node: int | None = None) -> MLPOffloadConfig | None:
+    """Build the frozen config from Megatron's parsed arguments (and the launcher's environment).
 
     Args:
         args: the namespace from Megatron's parser (``megatron.training.get_args()``) with the
             flags of :func:`add_mlp_offload_args`.
+        ranks_per_node: processes of this node sharing its tiers; None: torchrun's
+            ``$LOCAL_WORLD_SIZE``, else one per GPU this process sees (which imports torch).
     Returns:
         ``None`` when ``--mlp-offload`` is off, else the validated :class:`MLPOffloadConfig`.
     Raises:
@@ -223,43 +232,69 @@ def config_from_args(args) -> MLPOffloadConfig | None:
         adam_threads=args.mlp_offload_adam_threads,
         calibration=_check_calibration(args.mlp_offload_calibration),
         runtime_dir=runtime_dir,
-        io_timeout_s=getattr(args, "mlp_offload_io_timeout", 300.0),
+        io_timeout_s=getattr(args, "mlp_offload_io_timeout", _DEFAULTS["io_timeout_s"]),
         checksum=args.mlp_offload_checksum,
         multipath=args.mlp_offload_multipath,
         use_tokens=args.mlp_offload_tier_tokens,
         cache_order=args.mlp_offload_cache_order,
         deferred_upcast=args.mlp_offload_deferred_upcast,
         warm_buffers=args.mlp_offload_warm_buffers,
-        grad_transfer=getattr(args, "mlp_offload_grad_transfer", "auto"),
-        trace_dir=getattr(args, "mlp_offload_trace", None),
+        grad_transfer=getattr(args, "mlp_offload_grad_transfer", _DEFAULTS["grad_transfer"]),
+        trace_dir=getattr(args, "mlp_offload_trace", _DEFAULTS["trace_dir"]),
         trace_steps=_trace_steps(args),
-        extra={"job_id": _job_id(args.mlp_offload_job_id), "num_nodes": num_nodes_from_env()},
+        job_id=_job_id(args.mlp_offload_job_id),
+        ranks_per_node=_ranks_per_node() if ranks_per_node is None else ranks_per_node,
+        num_nodes=num_nodes_from_env(),
+        exit_signal_handler=bool(getattr(args, "exit_signal_handler", _DEFAULTS["exit_signal_handler"])),
+        exit_signal=_exit_signal(args),
     )
 
 
 def _trace_steps(args) -> tuple[int, int]:
     """The --mlp-offload-trace-steps window, refused at start when it ends after --train-iters."""
     from megatron_mlp.observe.trace import check_window_in_run, parse_trace_steps
-    window = parse_trace_steps(getattr(args, "mlp_offload_trace_steps", "2-4"), "--mlp-offload-trace-steps")
+    window = parse_trace_steps(getattr(args, "mlp_offload_trace_steps", _DEFAULTS["trace_steps"]),
+                               "--mlp-offload-trace-steps")
     if getattr(args, "mlp_offload_trace", None):
         check_window_in_run(window, getattr(args, "train_iters", None))
     return window
 
 
-_JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.+-]{1,64}$")
 JOB_ID_ENV = ("SLURM_JOB_ID", "PBS_JOBID", "TORCHELASTIC_RUN_ID")
 
 
 def _job_id(value: str | None, environ=None) -> str:
-    """The job id naming scratch directories: the flag, else the scheduler's, else 'job'."""
+    """The job id naming scratch directories: the flag, else the scheduler's, else the config's
+    default. The config checks that it can name a directory."""
     environ = os.environ if environ is None else environ
     if value is None:
-        value = next((environ[k] for k in JOB_ID_ENV if environ.get(k)), "job")
+        value = next((environ[k] for k in JOB_ID_ENV if environ.get(k)), _DEFAULTS["job_id"])
         value = re.sub(r"[^A-Za-z0-9_.+-]", "_", value)[:64]  # PBS ids carry a host name
-    if not _JOB_ID_RE.match(value):
-        raise ConfigError(f"--mlp-offload-job-id: {value!r} must be 1-64 characters of A-Z a-z 0-9 _ . + - "
-                          "(it becomes part of a directory name)")
     return value
+
+
+def _ranks_per_node(environ=None) -> int:
+    """Processes of this node sharing its tiers: torchrun's (and Slurm launchers') ``$LOCAL_WORLD_SIZE``,
+    else one per GPU this process sees, else 1."""
+    environ = os.environ if environ is None else environ
+    text = environ.get("LOCAL_WORLD_SIZE", "").strip() or "0"
+    if not text.isdigit():
+        raise ConfigError(f"LOCAL_WORLD_SIZE: {text!r} is not a number of processes")
+    if int(text):
+        return int(text)
+    import torch
+    return max(1, torch.cuda.device_count() if torch.cuda.is_available() else 1)
+
+
+def _exit_signal(args) -> int:
+    """Megatron-LM's ``--exit-signal`` as a signal number (its parser may still hold the name)."""
+    value = getattr(args, "exit_signal", _DEFAULTS["exit_signal"])
+    if isinstance(value, str):
+        number = getattr(signal, value, None)
+        if not isinstance(number, signal.Signals):
+            raise ConfigError(f"--exit-signal: {value!r} is not a signal name")
+        value = number
+    return int(value)
 
 
 def calibrated_config(config: MLPOffloadConfig, cache_path: str | None = None,
@@ -283,7 +318,7 @@ def calibrated_config(config: MLPOffloadConfig, cache_path: str | None = None,
     from megatron_mlp.tier.resolve import default_bandwidth_warning
 
     cals, notes = calibrations_for(config.tiers, config.calibration, cache_path=cache_path, measure=measure)
-    num_nodes = int(config.extra.get("num_nodes", 1))
+    num_nodes = config.num_nodes
     tiers = []
     for index, (spec, cal) in enumerate(zip(config.tiers, cals)):
         bw = resolve_bandwidth(spec, cal)

@@ -62,16 +62,11 @@ class _Segment:
 
 
 def _default_inner_factory(mlp_config, group_ranges, param_groups, initial_params, staging_bytes=0):
-    import os
-
     from megatron_mlp.optim.offload_adam import OffloadAdam
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    # Ranks of this node share the tiers (placement model, tokens). torchrun/Slurm say how many.
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or (
-        torch.cuda.device_count() if torch.cuda.is_available() else 1)
     return OffloadAdam(mlp_config, group_ranges=group_ranges, param_groups=param_groups,
-                       initial_params=initial_params, rank=rank, ranks_per_node=max(1, ranks_per_node),
+                       initial_params=initial_params, rank=rank, ranks_per_node=mlp_config.ranks_per_node,
                        staging_bytes=staging_bytes)
 
 
@@ -633,23 +628,18 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         """No tier can take the optimizer state any more; this iteration completed and the state is
         held in host memory, readable through the checkpoint accessors.
 
-        With Megatron-LM's ``--exit-signal-handler`` the exit signal is sent to this process:
+        With Megatron-LM's ``--exit-signal-handler`` (in the config: ``exit_signal_handler``,
+        ``exit_signal``) the exit signal is sent to this process:
         Megatron saves a checkpoint at the end of this iteration and exits (an emergency
         checkpoint through Megatron's own path). Otherwise the error is raised: a caller that
         catches it can still save a checkpoint (``dist_checkpointing.save`` reads the held state)."""
         logger.error("MLP-Offload: %s", exc)
-        try:
-            from megatron.training import get_args
-            args = get_args()
-        except Exception:  # noqa: BLE001 -- Megatron-Core without Megatron-LM's global args
-            args = None
-        if args is not None and getattr(args, "exit_signal_handler", False):
+        if self.mlp_config.exit_signal_handler:
             import os
-            import signal
-            sig = getattr(args, "exit_signal", signal.SIGTERM)
+            sig = self.mlp_config.exit_signal
             logger.error("MLP-Offload: requesting an emergency checkpoint through Megatron's exit-signal "
                          "handler (signal %s); restart from it with healthy --mlp-offload-paths", sig)
-            os.kill(os.getpid(), int(sig))
+            os.kill(os.getpid(), sig)
             return
         raise exc
 

@@ -117,7 +117,7 @@ class OffloadAdam:
         self._placement_tiers = placement_tiers(config, ranks_per_node, free)   # bandwidths, for the schedule
         engine_factory = engine_factory or _default_engine_factory(config)
         token_factory = token_factory or _default_token_factory(config)
-        job = str(config.extra.get("job_id", "job"))
+        job = config.job_id
         self.failover = FailoverStats()
         self._pinned: set[int] = set()      # subgroups kept in host memory for good (failover)
         self._cache_keep: set[int] = set()  # the cached subgroups of the last step

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ from megatron_mlp.config import MLPOffloadConfig
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.megatron import arguments
 from megatron_mlp.megatron.arguments import add_mlp_offload_args, config_from_args, cpu_requested
-from megatron_mlp.units import parse_count
+from megatron_mlp.tier.shared import NODE_COUNT_ENV
+from megatron_mlp.units import parse_count, parse_size
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,9 +41,27 @@ def test_config_is_none_when_mlp_offload_is_off():
     assert config_from_args(_parse("--use-distributed-optimizer", "--mlp-offload-paths", "/a")) is None
 
 
-def test_defaults_match_config_defaults_when_only_paths_given():
+def test_defaults_match_config_defaults_when_only_paths_given(monkeypatch):
+    for name in arguments.JOB_ID_ENV + NODE_COUNT_ENV + ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(arguments, "_ranks_per_node", lambda: 1)   # whatever GPUs this machine has
     cfg = _config("--mlp-offload", "--mlp-offload-paths", "/a")
     assert cfg == MLPOffloadConfig.from_paths("/a")
+
+
+def test_every_flag_default_is_its_config_fields_default():
+    parser = _megatron_like_parser()
+    args = parser.parse_args([])
+    config = MLPOffloadConfig.from_paths("/a")
+    assert parse_count(args.mlp_offload_subgroup_size, "x") == config.subgroup_params
+    assert parse_size(args.mlp_offload_io_block_size, "x") == config.block_bytes
+    assert parse_size(args.mlp_offload_host_memory, "x") == config.host_memory_bytes
+    assert args.mlp_offload_trace_steps == "{}-{}".format(*config.trace_steps)
+    for dest, field in (("order", "order"), ("io_backend", "backend"), ("io_queue_depth", "queue_depth"),
+                        ("io_threads", "io_threads"), ("calibration", "calibration"), ("checksum", "checksum"),
+                        ("tier_tokens", "use_tokens"), ("warm_buffers", "warm_buffers"),
+                        ("io_timeout", "io_timeout_s"), ("trace", "trace_dir"), ("runtime_dir", "runtime_dir")):
+        assert getattr(args, f"mlp_offload_{dest}") == getattr(config, field), dest
 
 
 def test_every_flag_reaches_its_config_field(tmp_path):
@@ -170,20 +190,46 @@ def test_flags_work_as_extra_args_provider_of_installed_megatron():
 def test_flush_depth_and_job_id_reach_the_config():
     cfg = _config("--mlp-offload", "--mlp-offload-paths", "/a", "--mlp-offload-flush-depth", "3",
                   "--mlp-offload-job-id", "run-7")
-    assert cfg.flush_depth == 3 and cfg.extra["job_id"] == "run-7"
+    assert cfg.flush_depth == 3 and cfg.job_id == "run-7"
 
 
 def test_job_id_defaults_to_the_scheduler_job_id_when_flag_is_absent(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.setenv("PBS_JOBID", "1234.pbs-server")
-    assert _config("--mlp-offload", "--mlp-offload-paths", "/a").extra["job_id"] == "1234.pbs-server"
+    assert _config("--mlp-offload", "--mlp-offload-paths", "/a").job_id == "1234.pbs-server"
     monkeypatch.setenv("SLURM_JOB_ID", "998877")
-    assert _config("--mlp-offload", "--mlp-offload-paths", "/a").extra["job_id"] == "998877"
+    assert _config("--mlp-offload", "--mlp-offload-paths", "/a").job_id == "998877"
 
 
 def test_job_id_that_cannot_name_a_directory_is_rejected_naming_the_flag():
     with pytest.raises(ConfigError, match="--mlp-offload-job-id: '../x'"):
         _config("--mlp-offload", "--mlp-offload-paths", "/a", "--mlp-offload-job-id", "../x")
+
+
+def test_ranks_and_nodes_come_from_the_launchers_environment(monkeypatch):
+    for name in NODE_COUNT_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    cfg = _config("--mlp-offload", "--mlp-offload-paths", "/a")
+    assert (cfg.ranks_per_node, cfg.num_nodes) == (4, 2)
+    assert config_from_args(_parse("--use-distributed-optimizer", "--mlp-offload", "--mlp-offload-paths", "/a"),
+                            ranks_per_node=3).ranks_per_node == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "four")
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE: 'four'"):
+        _config("--mlp-offload", "--mlp-offload-paths", "/a")
+
+
+@pytest.mark.parametrize("exit_signal", [signal.SIGUSR1, "SIGUSR1", int(signal.SIGUSR1)])
+def test_megatrons_exit_signal_handler_reaches_the_config(exit_signal):
+    args = _parse("--use-distributed-optimizer", "--mlp-offload", "--mlp-offload-paths", "/a")
+    assert (config_from_args(args).exit_signal_handler, config_from_args(args).exit_signal) == (False, signal.SIGTERM)
+    args.exit_signal_handler, args.exit_signal = True, exit_signal
+    cfg = config_from_args(args)
+    assert cfg.exit_signal_handler and cfg.exit_signal == signal.SIGUSR1 and type(cfg.exit_signal) is int
+    args.exit_signal = "SIGNOPE"
+    with pytest.raises(ConfigError, match="--exit-signal: 'SIGNOPE'"):
+        config_from_args(args)
 
 
 # ------------------------------------------------------------------ calibration

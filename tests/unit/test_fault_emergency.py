@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import signal
-import sys
 import types
 
 import pytest
@@ -29,27 +28,27 @@ def optimizer_class():
     return MLPOffloadDistributedOptimizer
 
 
-def _fake_megatron_args(monkeypatch, **args):
-    mod = types.ModuleType("megatron.training")
-    mod.get_args = lambda: types.SimpleNamespace(**args)
-    monkeypatch.setitem(sys.modules, "megatron.training", mod)
+def _optimizer_with(tmp_path, **fields):
+    """What _on_tier_failure reads of its optimizer: the config (which Megatron's arguments fill in)."""
+    from megatron_mlp.config import MLPOffloadConfig
+    return types.SimpleNamespace(mlp_config=MLPOffloadConfig.from_paths(str(tmp_path), **fields))
 
 
-def test_tier_failure_sends_megatrons_exit_signal_when_its_handler_is_on(optimizer_class, monkeypatch):
-    _fake_megatron_args(monkeypatch, exit_signal_handler=True, exit_signal=signal.SIGUSR1)
+def test_tier_failure_sends_megatrons_exit_signal_when_its_handler_is_on(optimizer_class, tmp_path):
+    optimizer = _optimizer_with(tmp_path, exit_signal_handler=True, exit_signal=signal.SIGUSR1)
     got = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
     try:
-        optimizer_class._on_tier_failure(object(), _failure())   # returns: Megatron saves, then exits
+        optimizer_class._on_tier_failure(optimizer, _failure())   # returns: Megatron saves, then exits
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert got == [signal.SIGUSR1]
 
 
-def test_tier_failure_is_raised_when_megatrons_exit_signal_handler_is_off(optimizer_class, monkeypatch):
-    _fake_megatron_args(monkeypatch, exit_signal_handler=False)
+def test_tier_failure_is_raised_when_megatrons_exit_signal_handler_is_off(optimizer_class, tmp_path):
+    optimizer = _optimizer_with(tmp_path, exit_signal_handler=False)
     with pytest.raises(TierFailure, match="no healthy tier"):
-        optimizer_class._on_tier_failure(object(), _failure())
+        optimizer_class._on_tier_failure(optimizer, _failure())
 
 
 def test_a_token_never_released_by_another_process_fails_the_request_with_etimedout(tmp_path, disk_dir):

@@ -32,7 +32,7 @@ def rank_main(rank, paths, runtime_dir, queue):
         config = MLPOffloadConfig.from_paths(";".join(paths), subgroup_params=SUB, calibration="off",
                                              host_cache_bytes=2 * 3 * 8192, runtime_dir=runtime_dir,
                                              prefetch_depth=1, flush_depth=1, io_threads=1, queue_depth=4,
-                                             extra={"job_id": "load"})
+                                             job_id="load")
         ranges, groups = [(0, N // 2), (N // 2, N)], [{"lr": 1e-3}, {"lr": 2e-3, "weight_decay": 0.1}]
         init = torch.randn(N, generator=torch.Generator().manual_seed(rank))
         engines = FaultyEngines(config)

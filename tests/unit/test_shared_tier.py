@@ -73,7 +73,7 @@ def test_optimizer_places_state_with_the_nodes_share_when_the_launcher_says_how_
         ["--mlp-offload", "--mlp-offload-paths", PATHS, "--mlp-offload-calibration", "off"])
     args.use_distributed_optimizer, args.optimizer = True, "adam"
     config, notes = arguments.calibrated_config(arguments.config_from_args(args))
-    assert isinstance(config, MLPOffloadConfig) and config.extra["num_nodes"] == 16
+    assert isinstance(config, MLPOffloadConfig) and config.num_nodes == 16
     tiers = placement_tiers(config, ranks_per_node=8)
     assert (tiers[0].read_bytes_per_s, tiers[1].read_bytes_per_s) == (6e9, 12.5e9)
     assert tiers[1].capacity_bytes == 10**14
