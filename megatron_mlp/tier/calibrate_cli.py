@@ -19,7 +19,8 @@ import sys
 import threading
 
 from megatron_mlp.errors import ConfigError, EngineUnavailable, TierIOError
-from megatron_mlp.tier.calibration import DEFAULT_SIZE_BYTES, calibrate_paths, default_cache_path
+from megatron_mlp.tier.calibration import DEFAULT_SIZE_BYTES, calibrate_paths
+from megatron_mlp.tier.calibration_cache import default_cache_path
 from megatron_mlp.tier.placement import human_bytes
 from megatron_mlp.tier.spec import parse_tier_paths
 from megatron_mlp.tier.validation import validate_tier_paths

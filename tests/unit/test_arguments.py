@@ -235,7 +235,7 @@ def test_megatrons_exit_signal_handler_reaches_the_config(exit_signal):
 # ------------------------------------------------------------------ calibration
 
 def _fake_measure(read, write, shared=True):
-    from megatron_mlp.tier.calibration import PathCalibration
+    from megatron_mlp.tier.calibration_cache import PathCalibration
     from megatron_mlp.tier.device import device_info
     calls = []
 
@@ -295,7 +295,8 @@ def test_calibration_file_without_the_device_leaves_the_tier_to_the_default_with
     base.mkdir(), other.mkdir()
     cache = tmp_path / "node0.json"
     measure, _ = _fake_measure(5e9, 4e9)
-    from megatron_mlp.tier.calibration import calibrate_paths, load_cache, save_cache
+    from megatron_mlp.tier.calibration import calibrate_paths
+    from megatron_mlp.tier.calibration_cache import load_cache, save_cache
     calibrate_paths([str(base)], str(cache), measure=measure)
     entries = {k: dict(e, st_dev=e["st_dev"] + 1) for k, e in load_cache(str(cache)).items()}
     save_cache(str(cache), entries)   # measured on a device this node no longer has

@@ -9,8 +9,10 @@ import pytest
 
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier import calibration as calib
-from megatron_mlp.tier.calibration import (PathCalibration, calibrate_paths, calibrations_for, load_cache,
-                                           load_calibration_file, lookup, resolve_bandwidth, save_cache)
+from megatron_mlp.tier import calibration_cache
+from megatron_mlp.tier.calibration import calibrate_paths, calibrations_for, resolve_bandwidth
+from megatron_mlp.tier.calibration_cache import (PathCalibration, host_name, load_cache, load_calibration_file, lookup,
+                                                 save_cache)
 from megatron_mlp.tier.device import device_info
 from megatron_mlp.tier.spec import TierSpec
 
@@ -25,7 +27,7 @@ class FakeMeasure:
     def __call__(self, path, size_bytes, procs):
         self.calls.append(path)
         info = device_info(path)
-        return PathCalibration(host=calib._host(), realpath=info.realpath, device_key=info.key, st_dev=info.st_dev,
+        return PathCalibration(host=host_name(), realpath=info.realpath, device_key=info.key, st_dev=info.st_dev,
                                fs_type=info.fs_type, o_direct=True, backend="threads", size_bytes=size_bytes,
                                read_bytes_per_s=self.read, write_bytes_per_s=self.write, procs=procs,
                                contended_read_bytes_per_s=self.read * 0.9, contended_write_bytes_per_s=self.write,
@@ -75,7 +77,7 @@ def test_corrupt_cache_is_remeasured_not_trusted(tmp_path):
     m = FakeMeasure()
     calibrate_paths([str(tmp_path)], str(cache), measure=m)
     assert len(m.calls) == 1
-    assert json.loads(cache.read_text())["version"] == calib.CACHE_VERSION
+    assert json.loads(cache.read_text())["version"] == calibration_cache.CACHE_VERSION
 
 
 def test_cache_written_atomically_without_temp_leftovers(tmp_path):
@@ -93,7 +95,7 @@ def test_failed_write_keeps_previous_cache(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(calib.os, "replace", boom)
+    monkeypatch.setattr(calibration_cache.os, "replace", boom)
     with pytest.raises(OSError):
         save_cache(str(cache), {"k": {"x": 2}})
     assert load_cache(str(cache)) == {"k": {"x": 1}}
@@ -167,7 +169,7 @@ def test_entry_serves_any_path_on_the_measured_mount_and_is_keyed_by_device_and_
     calibrate_paths([str(tmp_path / "base")], cache, measure=FakeMeasure())
     entries = load_cache(cache)
     info = device_info(str(tmp_path))
-    assert list(entries) == [f"{calib._host()}:{info.key}:{info.mount_point}"]
+    assert list(entries) == [f"{host_name()}:{info.key}:{info.mount_point}"]
     for path in (tmp_path / "base" / "megatron-mlp-77", tmp_path / "sibling", tmp_path / "not-made-yet"):
         cal = lookup(entries, str(path))
         assert cal is not None and cal.read_bytes_per_s == 2e9, path
