@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from megatron_mlp.errors import ConfigError, TierCapacityError
+from megatron_mlp.units import human_bytes, human_seconds
 
 _EPS = 1e-12
 SLOTS_PER_SUBGROUP = 2
@@ -227,24 +228,6 @@ class Placement:
                      f"-> plan at {100 * self.efficiency:.1f}% of optimum")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-
-def human_bytes(n: float) -> str:
-    """1234567 -> '1.23 MB' (decimal units, as bandwidths are quoted)."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def human_seconds(s: float) -> str:
-    if s == 0:
-        return "0 s"
-    if s < 1e-3:
-        return f"{s * 1e6:.1f} us"
-    if s < 1:
-        return f"{s * 1e3:.1f} ms"
-    return f"{s:.3f} s"
 
 
 def _as_pairs(moved_bytes, subgroup_bytes: Sequence[int]) -> list[tuple[int, int]]:
