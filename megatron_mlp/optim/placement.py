@@ -25,7 +25,7 @@ def placement_tiers(config, ranks_per_node: int = 1, free_bytes=None):
     is ``usable_capacity_bytes(cap=, free)``, the rule ``megatron-mlp plan`` applies too.
     """
     from megatron_mlp.tier import PlacementTier
-    from megatron_mlp.tier.placement import usable_capacity_bytes
+    from megatron_mlp.tier.validation import usable_capacity_bytes
 
     if free_bytes is None:
         free_bytes = [_free_bytes(spec.path) for spec in config.tiers]

@@ -55,15 +55,6 @@ SLOTS_PER_SUBGROUP = 2
 hold the good copy), so a tier holds half its usable bytes of state."""
 
 
-def usable_capacity_bytes(capacity_bytes: int | None, free_bytes: int | None) -> int | None:
-    """Bytes the node may use on a tier: its declared ``cap=``, bounded by the free space.
-
-    The one rule ``megatron-mlp plan`` (tier/resolve.py) and the optimizer (optim/placement.py)
-    both apply, so that they place the state alike. None = unbounded (no cap, free space unknown).
-    """
-    if free_bytes is None:
-        return capacity_bytes
-    return free_bytes if capacity_bytes is None else min(capacity_bytes, free_bytes)
 # Splits of the subgroup kinds over the tiers tried one by one (a few ms each thousand): beyond
 # this many, the greedy assignment and the local search decide alone.
 _EXACT_LIMIT = 20_000
@@ -77,7 +68,7 @@ class PlacementTier:
         path: the storage path (for messages and tables).
         read_bytes_per_s, write_bytes_per_s: the tier's node-level bandwidth (all ranks together).
         capacity_bytes: bytes the node may use on this tier (all ranks together; see
-            :func:`usable_capacity_bytes`); None = unlimited. Each subgroup placed here takes
+            ``tier.validation.usable_capacity_bytes``); None = unlimited. Each subgroup placed here takes
             ``SLOTS_PER_SUBGROUP`` times its size of it.
         shared_rw_limit: reads and writes share one bandwidth limit (time adds) or not (time overlaps).
         ranks_sharing: ranks of the node using this tier; None = the ``ranks_per_node`` of the plan.
