@@ -23,7 +23,7 @@ import sys
 
 from megatron_mlp.config import MLPOffloadConfig
 from megatron_mlp.errors import ConfigError, TierCapacityError
-from megatron_mlp.tier.placement import plan_placement
+from megatron_mlp.optim.placement import plan_placement
 from megatron_mlp.units import human_bytes
 from megatron_mlp.tier.resolve import resolve_tiers
 from megatron_mlp.tier.spec import parse_size, parse_tier_paths

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_mlp.tier.calibration import DEFAULT_BYTES_PER_S, calibrations_for, resolve_bandwidth
-from megatron_mlp.tier.placement import PlacementTier
+from megatron_mlp.optim.placement import PlacementTier
 from megatron_mlp.tier.shared import node_share
 from megatron_mlp.tier.spec import PATHS_FLAG, TierSpec
 from megatron_mlp.tier.validation import PathCheck, validate_tier_paths
