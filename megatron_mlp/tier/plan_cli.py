@@ -25,7 +25,7 @@ from megatron_mlp.config import MLPOffloadConfig
 from megatron_mlp.errors import ConfigError, TierCapacityError
 from megatron_mlp.optim.placement import plan_placement
 from megatron_mlp.units import human_bytes
-from megatron_mlp.tier.resolve import resolve_tiers
+from megatron_mlp.optim.placement.tiers import resolve_tiers
 from megatron_mlp.tier.spec import parse_size, parse_tier_paths
 
 STATE_BYTES_PER_PARAM = 12  # fp32 master param + Adam exp_avg + exp_avg_sq
