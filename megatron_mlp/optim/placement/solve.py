@@ -19,12 +19,12 @@ import math
 from typing import Iterable, Sequence
 
 from megatron_mlp.errors import ConfigError, TierCapacityError
+from megatron_mlp.optim.host_memory import HostMemoryPlan
 from megatron_mlp.optim.placement.model import (_EPS, SLOTS_PER_SUBGROUP, Placement, PlacementTier, _as_pairs,
                                                 _cache_sets, _lower_bound, _Model)
-from megatron_mlp.optim.host_memory import HostMemoryPlan
 from megatron_mlp.optim.placement.simulate import _full_pool_seconds
 from megatron_mlp.optim.placement.tiers import placement_tiers
-from megatron_mlp.optim.placement.traffic import host_memory_for, warm_subgroups
+from megatron_mlp.optim.placement.traffic import StepTraffic, step_traffic
 from megatron_mlp.optim.subgroups import SubgroupPlan
 
 # Splits of the subgroup kinds over the tiers tried one by one (a few ms each thousand): beyond
@@ -188,29 +188,24 @@ def plan_placement(subgroup_bytes: Sequence[int],
         cache_model=cache_model, warm_subgroups=warm_subgroups)
 
 
+def place(traffic: StepTraffic, tiers: Sequence[PlacementTier], ranks_per_node: int = 1) -> Placement:
+    """:func:`plan_placement` of one rank's :class:`~.traffic.StepTraffic` over ``tiers``: the
+    call the optimizer and ``megatron-mlp plan`` share."""
+    return plan_placement(traffic.subgroup_bytes, None, tiers, ranks_per_node=ranks_per_node,
+                          host_cache_bytes=traffic.host_cache_bytes, cached_subgroups=traffic.cached_subgroups,
+                          cache_model=traffic.cache_model, warm_subgroups=traffic.warm_subgroups)
+
+
 def plan_for(plan: SubgroupPlan, config, ranks_per_node: int = 1, free_bytes=None,
-             memory: HostMemoryPlan | None = None):
-    """The tier's ``Placement`` for this plan (None when everything goes on the first path).
+             memory: HostMemoryPlan | None = None) -> Placement:
+    """The ``Placement`` of this plan over ``config``'s paths (only the first without multipath).
 
     ``free_bytes``: free space per path (None: read now). ``memory``: the rank's
     ``HostMemoryPlan`` (default: the budget with no staging)."""
-    memory = memory or host_memory_for(plan, config)
     tiers = placement_tiers(config, ranks_per_node, free_bytes)
     if not config.multipath:
         tiers = tiers[:1]
-    sizes = [sg.region_bytes for sg in plan]
-    slots = memory.cache_buffers
-    budget = slots * plan.max_region_bytes
-    warm = warm_subgroups(config, memory)
-    if (slots or warm) and config.order == "alternate" and config.cache_order:
-        # Steady state of the alternating order: the cached ends, and the working buffers' subgroups
-        # next to them, skip a read or a write each step.
-        return plan_placement(sizes, None, tiers, ranks_per_node=ranks_per_node, host_cache_bytes=budget,
-                              cache_model="alternate", warm_subgroups=warm)
-    # Ascending: the last `slots` subgroups stay in host memory for good and never move.
-    cached = list(range(len(sizes) - slots, len(sizes))) if slots else []
-    return plan_placement(sizes, None, tiers, ranks_per_node=ranks_per_node, host_cache_bytes=budget,
-                          cached_subgroups=cached)
+    return place(step_traffic(plan, config, memory), tiers, ranks_per_node)
 
 
 def assign_subgroups(plan: SubgroupPlan, config, ranks_per_node: int = 1, free_bytes=None,
