@@ -11,7 +11,7 @@ import sys
 # name -> (module, one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("megatron_mlp.demo", "train a small Megatron-Core GPT with MLP-Offload vs the ZeRO-3-style baseline"),
-    "plan": ("megatron_mlp.tier.plan_cli", "print the placement of optimizer state over the tiers, with predicted times"),
+    "plan": ("megatron_mlp.optim.placement.plan_cli", "print the placement of optimizer state over the tiers, with predicted times"),
     "calibrate": ("megatron_mlp.tier.calibrate_cli", "measure and cache each tier path's read/write bandwidth"),
     "slurm": ("megatron_mlp.slurm", "render a ready Slurm job script"),
     "timeline": ("megatron_mlp.observe.timeline_cli", "draw a step trace (--mlp-offload-trace) as lanes in a PNG"),

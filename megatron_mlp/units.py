@@ -101,3 +101,23 @@ def format_size(value: int) -> str:
         if value and value % factor == 0:
             return f"{value // factor}{unit}"
     return str(value)
+
+
+def human_bytes(n: float) -> str:
+    """A size rounded for people: 1234567 -> '1.23 MB' (decimal units, as bandwidths are quoted).
+    Not exact (use :func:`format_size` for text that must parse back)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def human_seconds(s: float) -> str:
+    """A duration rounded for people: 0 -> '0 s', 2.5e-5 -> '25.0 us', 0.0123 -> '12.3 ms', 4 -> '4.000 s'."""
+    if s == 0:
+        return "0 s"
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} us"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s:.3f} s"

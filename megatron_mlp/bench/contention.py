@@ -23,9 +23,8 @@ import time
 import uuid
 
 from megatron_mlp.errors import ConfigError
-from megatron_mlp.tier.placement import human_bytes
 from megatron_mlp.tier.workers import run_workers, worker_mp_context
-from megatron_mlp.units import parse_size
+from megatron_mlp.units import human_bytes, parse_size
 
 
 def _proc(directory: str, nbytes: int, chunk: int, use_tokens: bool, runtime_dir: str | None,

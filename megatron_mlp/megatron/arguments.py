@@ -25,7 +25,7 @@ import sys
 
 from megatron_mlp.config import BACKENDS, GRAD_TRANSFERS, ORDER_POLICIES, MLPOffloadConfig
 from megatron_mlp.errors import ConfigError
-from megatron_mlp.tier.shared import node_share, num_nodes_from_env
+from megatron_mlp.tier.shared import num_nodes_from_env
 from megatron_mlp.tier.spec import parse_tier_paths
 from megatron_mlp.units import format_count, format_size, parse_count, parse_size
 
@@ -307,31 +307,29 @@ def calibrated_config(config: MLPOffloadConfig, cache_path: str | None = None,
     measured, so a per-job scratch directory below a measured base directory uses its figures.
     Declared figures always win over measured ones. A tier left with neither gets a warning
     naming it: the placement then assumes the default bandwidth. A tier shared by the job's nodes
-    (``shared=job``) then gets this node's share (:func:`megatron_mlp.tier.shared.node_share`).
+    (``shared=job``) then gets this node's share (:func:`megatron_mlp.optim.placement.tiers.node_spec`).
 
     Returns:
         (config with bandwidths filled in, notes to print once; warnings start with 'WARNING')
     Raises:
         ConfigError: the calibration file does not exist or is not a calibration file.
     """
+    from megatron_mlp.optim.placement.tiers import default_bandwidth_warning, node_spec
     from megatron_mlp.tier.calibration import calibrations_for, resolve_bandwidth
-    from megatron_mlp.tier.resolve import default_bandwidth_warning
 
     cals, notes = calibrations_for(config.tiers, config.calibration, cache_path=cache_path, measure=measure)
     num_nodes = config.num_nodes
     tiers = []
     for index, (spec, cal) in enumerate(zip(config.tiers, cals)):
         bw = resolve_bandwidth(spec, cal)
-        if cal is not None:
-            spec = dataclasses.replace(spec, read_bytes_per_s=bw.read_bytes_per_s,
-                                       write_bytes_per_s=bw.write_bytes_per_s, shared_rw_limit=bw.shared_rw_limit)
-        share = node_share(spec, num_nodes)
+        share = node_spec(spec, cal, num_nodes)   # as the placement sees the path (plan does the same)
         if "default" in bw.source:
             notes.append(default_bandwidth_warning(index, spec.path, config.calibration))
         else:
             shared = (f"; shared by the job's {num_nodes} nodes: this node's share read "
                       f"{share.read_bytes_per_s / 1e9:.2f} GB/s, write {share.write_bytes_per_s / 1e9:.2f} GB/s"
-                      if share is not spec else "")
+                      if share.shared_by_job and num_nodes > 1 and None not in (share.read_bytes_per_s,
+                                                                                share.write_bytes_per_s) else "")
             notes.append(f"tier {index} ({spec.path}): read {bw.read_bytes_per_s / 1e9:.2f} GB/s, write "
                          f"{bw.write_bytes_per_s / 1e9:.2f} GB/s ({bw.source}){shared}")
         tiers.append(share)

@@ -109,7 +109,7 @@ def tier_bytes_line(optimizers, interval: int) -> str | None:
                 acc[1] += written
     if not moved:
         return None
-    from megatron_mlp.tier.placement import human_bytes
+    from megatron_mlp.units import human_bytes
 
     parts = [f"{path} read {human_bytes(r)}, wrote {human_bytes(w)}" for path, (r, w) in moved.items()]
     return f"megatron_mlp: last {interval} iterations, this rank: " + "; ".join(parts)

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from megatron_mlp.errors import IntegrityError, TierCapacityError, TierIOError
 from megatron_mlp.optim.stats import TierStepStats
 from megatron_mlp.optim.subgroups import Subgroup
-from megatron_mlp.tier.placement import SLOTS_PER_SUBGROUP, usable_capacity_bytes
+from megatron_mlp.optim.placement.model import SLOTS_PER_SUBGROUP
+from megatron_mlp.tier.validation import usable_capacity_bytes
 from megatron_mlp.tier.spec import shares_rw_limit
 from megatron_mlp.tier.scratch import SCRATCH_PREFIX, create_scratch_dir, reserve_space  # noqa: F401
 

@@ -21,10 +21,9 @@ import threading
 from megatron_mlp.errors import ConfigError, EngineUnavailable, TierIOError
 from megatron_mlp.tier.calibration import DEFAULT_SIZE_BYTES, calibrate_paths
 from megatron_mlp.tier.calibration_cache import default_cache_path
-from megatron_mlp.tier.placement import human_bytes
 from megatron_mlp.tier.spec import parse_tier_paths
 from megatron_mlp.tier.validation import validate_tier_paths
-from megatron_mlp.units import parse_size
+from megatron_mlp.units import human_bytes, parse_size
 
 
 def build_parser() -> argparse.ArgumentParser:

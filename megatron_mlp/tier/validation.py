@@ -24,6 +24,17 @@ from megatron_mlp.tier.spec import PATHS_FLAG, TierSpec
 _PROBE_BYTES = 4096
 
 
+def usable_capacity_bytes(capacity_bytes: int | None, free_bytes: int | None) -> int | None:
+    """Bytes the node may use on a tier: its declared ``cap=``, bounded by the free space.
+
+    The one rule ``megatron-mlp plan`` and the optimizer (its placement and its store) both
+    apply, so that they place the state alike. None = unbounded (no cap, free space unknown).
+    """
+    if free_bytes is None:
+        return capacity_bytes
+    return free_bytes if capacity_bytes is None else min(capacity_bytes, free_bytes)
+
+
 @dataclass(frozen=True)
 class PathCheck:
     """What validation found out about one tier path."""
@@ -39,7 +50,6 @@ class PathCheck:
     @property
     def usable_bytes(self) -> int:
         """Bytes the node may use here: the declared cap, bounded by the free space."""
-        from megatron_mlp.tier.placement import usable_capacity_bytes
         return usable_capacity_bytes(self.spec.capacity_bytes, self.free_bytes)
 
 

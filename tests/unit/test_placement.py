@@ -7,7 +7,7 @@ import random
 import pytest
 
 from megatron_mlp.errors import ConfigError, TierCapacityError
-from megatron_mlp.tier.placement import PlacementTier, default_cached_subgroups, plan_placement
+from megatron_mlp.optim.placement import PlacementTier, default_cached_subgroups, plan_placement
 
 GB = 10**9
 
@@ -248,7 +248,8 @@ def test_explicit_cache_set_rejected_when_cache_model_is_alternate():
 
 def _sums_of(tier_of, sizes, tiers, host_cache_bytes, warm):
     """The model's per-tier sums for one given layout (alternating order): the slowest tier."""
-    from megatron_mlp.tier.placement import _cache_sets, _Model, _State, _as_pairs
+    from megatron_mlp.optim.placement.model import _as_pairs, _cache_sets, _Model
+    from megatron_mlp.optim.placement.solve import _State
 
     pmoves, _, _ = _cache_sets(sizes, _as_pairs(None, sizes), host_cache_bytes, None, "alternate", warm)
     st = _State(_Model(tiers, 1), pmoves, sizes)
@@ -259,7 +260,8 @@ def _sums_of(tier_of, sizes, tiers, host_cache_bytes, warm):
 
 def _time_of(tier_of, sizes, tiers, host_cache_bytes, warm):
     """The model's step time of one given layout (alternating order)."""
-    from megatron_mlp.tier.placement import _cache_sets, _full_pool_seconds, _Model, _as_pairs
+    from megatron_mlp.optim.placement.model import _as_pairs, _cache_sets, _Model
+    from megatron_mlp.optim.placement.simulate import _full_pool_seconds
 
     sums = _sums_of(tier_of, sizes, tiers, host_cache_bytes, warm)
     if not warm:
@@ -272,7 +274,7 @@ def _time_of(tier_of, sizes, tiers, host_cache_bytes, warm):
 def test_subgroups_move_together_when_no_single_move_or_swap_helps(monkeypatch):
     # Four subgroups (one twice the size of the others), a disk-like tier and a duplex one, two
     # cached: greedy plus single moves and swaps stall 36 % above the layout the exact search finds.
-    import megatron_mlp.tier.placement as placement
+    import megatron_mlp.optim.placement.solve as placement
 
     sizes = [GB, GB, GB, 2 * GB]
     tiers = [tier("/disk", 6.82, 5.0, shared=True), tier("/pfs", 6.35, 4.96)]

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_mlp.config import MLPOffloadConfig
 from megatron_mlp.errors import TierCapacityError
-from megatron_mlp.tier.plan_cli import build_parser, make_plan
+from megatron_mlp.optim.placement.plan_cli import build_parser, make_plan
 
 pytest.importorskip("megatron_mlp._C", reason="the C++ core is not built")
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from megatron_mlp.observe.trace import StepTrace
-from megatron_mlp.tier import plan_cli
+from megatron_mlp.optim.placement import plan_cli
 
 pytest.importorskip("matplotlib", reason="the [plot] extra (matplotlib) is not installed")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_mlp.errors import ConfigError
-from megatron_mlp.units import format_count, format_size, parse_count, parse_rate, parse_size
+from megatron_mlp.units import format_count, format_size, human_bytes, human_seconds, parse_count, parse_rate, parse_size
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -60,3 +60,14 @@ def test_count_is_formatted_exactly_and_parses_back(value, text):
                                         (1 << 40, "1TiB"), (12345, "12345")])
 def test_size_is_formatted_exactly_and_parses_back(value, text):
     assert format_size(value) == text and parse_size(text, "--x") == value
+
+
+@pytest.mark.parametrize("value,text", [(0, "0 B"), (999, "999 B"), (1234567, "1.23 MB"), (2.4e9, "2.40 GB"),
+                                        (3e12, "3.00 TB")])
+def test_human_bytes_rounds_to_decimal_units(value, text):
+    assert human_bytes(value) == text
+
+
+@pytest.mark.parametrize("value,text", [(0, "0 s"), (2.5e-5, "25.0 us"), (0.0123, "12.3 ms"), (4, "4.000 s")])
+def test_human_seconds_picks_the_unit_that_reads_best(value, text):
+    assert human_seconds(value) == text

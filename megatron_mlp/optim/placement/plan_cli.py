@@ -10,39 +10,30 @@ Example::
         --ranks-per-node 8 --nodes 16 --no-probe
 
 Each rank holds ``num_params / data_parallel_size`` parameters of optimizer state (fp32 param, Adam
-m and v: 12 bytes each), split into subgroups of ``subgroup_params``; every step reads and writes
-each subgroup once, except what the host cache and, with the alternating order, the optimizer's
-working buffers save (see ``--cache-model`` and ``--working-buffers``).
+m and v: 12 bytes each), split into the optimizer's subgroups of ``subgroup_params`` (each stored as
+one region of three 4096-aligned arrays); every step reads and writes each subgroup once, except
+what the host cache and, with the alternating order, the optimizer's working buffers save (see
+``--cache-model`` and ``--working-buffers``). The subgroups, the host budget and the bytes each tier
+moves are the optimizer's own, computed by the same functions.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 from megatron_mlp.config import MLPOffloadConfig
 from megatron_mlp.errors import ConfigError, TierCapacityError
-from megatron_mlp.tier.placement import human_bytes, plan_placement
-from megatron_mlp.tier.resolve import resolve_tiers
-from megatron_mlp.tier.spec import parse_size, parse_tier_paths
+from megatron_mlp.optim.host_memory import MIN_WORKING_BUFFERS
+from megatron_mlp.optim.placement.report import format_shared_load
+from megatron_mlp.optim.placement.solve import place
+from megatron_mlp.optim.placement.tiers import resolve_tiers
+from megatron_mlp.optim.placement.traffic import step_traffic
+from megatron_mlp.optim.subgroups import SubgroupPlan
+from megatron_mlp.tier.spec import parse_tier_paths
+from megatron_mlp.units import human_bytes, parse_count, parse_size
 
-STATE_BYTES_PER_PARAM = 12  # fp32 master param + Adam exp_avg + exp_avg_sq
-_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-
-
-def parse_count(text: str, flag: str) -> int:
-    """'7B' -> 7_000_000_000, '100M', '1.5e9', '4096'."""
-    t = str(text).strip().lower()
-    unit = t[-1] if t and t[-1] in "kmbgt" else ""
-    try:
-        value = float(t[:-1] if unit else t) * _COUNT_UNITS[unit]
-    except ValueError:
-        raise ConfigError(f"{flag}: cannot parse {text!r} (examples: 7B, 100M, 4096)") from None
-    if value < 1 or not math.isfinite(value):
-        raise ConfigError(f"{flag}: {text!r} must be a finite count of at least 1")
-    return int(value)
-
+STAGING_BYTES_PER_PARAM = 4  # Megatron's bf16 gradient and param shards, staged in host memory
 
 # Planning enumerates subgroups one by one: beyond these the table is meaningless and the memory not.
 MAX_NUM_PARAMS = 10**15
@@ -60,12 +51,6 @@ def _check_subgroup_count(params_per_rank: int, subgroup_params: int) -> None:
 
 # The optimizer's working buffers with the default --mlp-offload-prefetch-depth / -flush-depth.
 _DEFAULT_WORKING = MLPOffloadConfig.prefetch_depth + MLPOffloadConfig.flush_depth + 1
-
-
-def subgroup_layout(num_params: int, subgroup_params: int) -> list[int]:
-    """Parameters per subgroup: full subgroups and a shorter last one."""
-    full, rest = divmod(num_params, subgroup_params)
-    return [subgroup_params] * full + ([rest] if rest else [])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,8 +92,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def optimizer_config(args, specs, subgroup_params: int, host_memory_bytes: int,
+                     host_cache_bytes: int) -> MLPOffloadConfig:
+    """The optimizer's config these flags stand for: what its host budget, working buffers and
+    cache policy, and so the bytes each tier moves, depend on.
+
+    ``--cache-model resident`` is ``--mlp-offload-order ascending``; ``--working-buffers 0`` is
+    ``--mlp-offload-no-warm-buffers``, and ``W`` working buffers are prefetch and flush depths adding
+    up to ``W - 1`` (the deeper one the flush, as the defaults are).
+    """
+    working = args.working_buffers
+    if working is not None and working < 0:
+        raise ConfigError(f"--working-buffers: {working} must be >= 0")
+    depths = {}
+    if working:
+        if working < MIN_WORKING_BUFFERS:
+            raise ConfigError(f"--working-buffers: {working}: the optimizer's pipeline holds at least "
+                              f"{MIN_WORKING_BUFFERS} (one subgroup updated while another is read or written "
+                              "back); 0 plans without warm buffers")
+        flush = min(MLPOffloadConfig.flush_depth, working - 1)
+        depths = {"prefetch_depth": working - 1 - flush, "flush_depth": flush}
+    return MLPOffloadConfig(tiers=tuple(specs), subgroup_params=subgroup_params, host_memory_bytes=host_memory_bytes,
+                            host_cache_bytes=host_cache_bytes, warm_buffers=working != 0,
+                            order="alternate" if args.cache_model == "alternate" else "ascending",
+                            calibration="off", ranks_per_node=args.ranks_per_node, num_nodes=args.nodes, **depths)
+
+
 def make_plan(args) -> dict:
-    """Everything the plan command prints, as a dict (the table and --json are views of it)."""
+    """Everything the plan command prints, as a dict (the table and --json are views of it).
+
+    The rank's subgroups, host budget and cache policy are the optimizer's own (``SubgroupPlan``,
+    :func:`~.traffic.step_traffic`, :func:`~.solve.place`) for the config the flags stand for."""
     specs = parse_tier_paths(args.paths, flag="--paths")
     num_params = parse_count(args.num_params, "--num-params")
     if num_params > MAX_NUM_PARAMS:
@@ -123,40 +137,30 @@ def make_plan(args) -> dict:
     if dp < 1:
         raise ConfigError(f"--data-parallel-size: {dp} must be >= 1")
     host_cache = parse_size(args.host_cache_bytes, "--host-cache-bytes", "size")
-    working = _DEFAULT_WORKING if args.working_buffers is None else args.working_buffers
-    memory = None
-    if working < 0:
-        raise ConfigError(f"--working-buffers: {working} must be >= 0")
-    if args.cache_model != "alternate":
-        working = 0   # the working buffers carry subgroups over only with the alternating order
-    shard = -(-num_params // dp)   # integers throughout: a float of 1e30 params would overflow below
-    _check_subgroup_count(shard, subgroup_params)
-    params = subgroup_layout(shard, subgroup_params)
-    sizes = [n * STATE_BYTES_PER_PARAM for n in params]
+    budget = 0
     if args.host_memory is not None:
         if host_cache or args.working_buffers is not None:
             raise ConfigError("--host-memory: the whole budget; give it without --host-cache-bytes / --working-buffers")
-        from megatron_mlp.optim.host_memory import plan_host_memory
         budget = parse_size(args.host_memory, "--host-memory", "size")
-        config = MLPOffloadConfig(tiers=tuple(specs), subgroup_params=subgroup_params, host_memory_bytes=budget)
-        # The same function the optimizer calls; staging as Megatron's bf16 gradient and param shards.
-        memory = plan_host_memory(config, max(sizes), staging=4 * shard)
-        host_cache = memory.cache_bytes
-        working = memory.working_buffers if args.cache_model == "alternate" else 0
+    shard = -(-num_params // dp)   # integers throughout: a float of 1e30 params would overflow below
+    _check_subgroup_count(shard, subgroup_params)
+    config = optimizer_config(args, specs, subgroup_params, budget, host_cache)
+    plan = SubgroupPlan([(0, shard)], subgroup_params)
+    traffic = step_traffic(plan, config, staging_bytes=STAGING_BYTES_PER_PARAM * shard)
 
     resolved = resolve_tiers(specs, calibration=args.calibration, probe=not args.no_probe,
                              cache_path=args.calibration_cache, flag="--paths", num_nodes=args.nodes,
                              create=False, cache_flag="--calibration-cache")
     warnings, notes, mode = list(resolved.warnings), list(resolved.notes), resolved.calibration
-    tiers = list(resolved.tiers)
-    placement = plan_placement(sizes, None, tiers, ranks_per_node=args.ranks_per_node, host_cache_bytes=host_cache,
-                               cache_model=args.cache_model, warm_subgroups=working)
+    placement = place(traffic, resolved.tiers, args.ranks_per_node)
     return {
         "config": {"paths": [s.path for s in specs], "num_params": num_params, "data_parallel_size": dp,
-                   "params_per_rank": shard, "subgroup_params": subgroup_params, "num_subgroups": len(sizes),
-                   "state_bytes_per_rank": sum(sizes), "ranks_per_node": args.ranks_per_node,
-                   "host_cache_bytes": host_cache, "cache_model": args.cache_model, "working_buffers": working,
-                   "host_memory": memory.as_dict() if memory else None, "calibration": mode, "nodes": args.nodes},
+                   "params_per_rank": shard, "subgroup_params": subgroup_params, "num_subgroups": len(plan),
+                   "state_bytes_per_rank": plan.state_bytes, "stored_bytes_per_rank": sum(traffic.subgroup_bytes),
+                   "ranks_per_node": args.ranks_per_node, "host_cache_bytes": traffic.host_cache_bytes,
+                   "cache_model": args.cache_model, "working_buffers": traffic.warm_subgroups,
+                   "host_memory": traffic.memory.as_dict() if budget else None, "calibration": mode,
+                   "nodes": args.nodes},
         "shared_tiers": shared_tier_loads(specs, placement, args.nodes),
         "warnings": warnings,
         "notes": notes + list(placement.notes),
@@ -187,18 +191,6 @@ def shared_tier_loads(specs, placement, num_nodes: int) -> list[dict]:
             "busy_fraction": placement.tier_seconds[j] / seconds if seconds > 0 else 0.0,
         })
     return out
-
-
-def _format_shared(load: dict) -> list[str]:
-    return [
-        f"shared tier {load['tier']} ({load['path']}): {load['nodes']} nodes share "
-        f"{load['job_read_bytes_per_s'] / 1e9:.2f} GB/s read, {load['job_write_bytes_per_s'] / 1e9:.2f} GB/s write; "
-        f"each node's share {load['node_read_bytes_per_s'] / 1e9:.2f} / {load['node_write_bytes_per_s'] / 1e9:.2f} GB/s",
-        f"  job-wide per step: {human_bytes(load['job_read_bytes_per_step'])} read + "
-        f"{human_bytes(load['job_write_bytes_per_step'])} written ({human_bytes(load['job_stored_bytes'])} stored): "
-        f"{load['load_bytes_per_s'] / 1e9:.2f} GB/s over the predicted update, busy "
-        f"{100 * load['busy_fraction']:.0f}% of it",
-    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nodes: {cfg['nodes']} x {cfg['ranks_per_node']} ranks; state of the whole job: "
               f"{human_bytes(cfg['state_bytes_per_rank'] * cfg['ranks_per_node'] * cfg['nodes'])}")
     for load in plan["shared_tiers"]:
-        for line in _format_shared(load):
+        for line in format_shared_load(load):
             print(line)
     for n in sorted(set(plan["notes"]) - set(placement.notes), key=plan["notes"].index):
         print(f"note: {n}")

@@ -6,9 +6,11 @@ import json
 import pytest
 
 from megatron_mlp.cli import main as cli_main
-from megatron_mlp.errors import ConfigError
-from megatron_mlp.tier.plan_cli import parse_count, subgroup_layout
+from megatron_mlp.optim.subgroups import SubgroupPlan
 
+# A subgroup of 100M params as the optimizer stores it: 1.2 GB of state in three 4096-aligned arrays.
+REGION = SubgroupPlan([(0, 100_000_000)], 100_000_000)[0].region_bytes
+CACHE_2 = str(2 * REGION + 10**8)   # a host cache of two such buffers (and a part of a third)
 
 def run(capsys, *argv):
     rc = cli_main(["plan", *argv])
@@ -35,7 +37,7 @@ def test_json_plan_splits_state_by_declared_bandwidth_when_calibration_off(capsy
 def test_table_lists_every_tier_with_predicted_time_and_lower_bound(capsys, tmp_path):
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     rc, out, _ = run(capsys, "--paths", f"{tmp_path}/a;{tmp_path}/b:bw=2GB/s", "--num-params", "1B",
-                     "--subgroup-params", "100M", "--ranks-per-node", "4", "--host-cache-bytes", "2.4GB",
+                     "--subgroup-params", "100M", "--ranks-per-node", "4", "--host-cache-bytes", CACHE_2,
                      "--calibration", "off")
     assert rc == 0
     for text in (f"{tmp_path}/a", f"{tmp_path}/b", "default (assumed 1 GB/s)", "declared", "lower bound",
@@ -45,13 +47,13 @@ def test_table_lists_every_tier_with_predicted_time_and_lower_bound(capsys, tmp_
 
 def test_resident_cache_model_keeps_cached_subgroups_still(capsys, tmp_path):
     argv = ["--paths", f"{tmp_path}:bw=1GB/s,rw=shared", "--num-params", "1B", "--subgroup-params", "100M",
-            "--ranks-per-node", "1", "--host-cache-bytes", "2.4GB", "--calibration", "off", "--json"]
+            "--ranks-per-node", "1", "--host-cache-bytes", CACHE_2, "--calibration", "off", "--json"]
     rc, out, _ = run(capsys, *argv, "--cache-model", "resident")
     resident = json.loads(out)["placement"]
     rc, out, _ = run(capsys, *argv, "--working-buffers", "0")
     alternate = json.loads(out)["placement"]
-    assert resident["cached_subgroups"] == [8, 9] and resident["tiers"][0]["read_bytes"] == 8 * 1_200_000_000
-    assert alternate["cached_subgroups"] == [0, 1, 8, 9] and alternate["tiers"][0]["read_bytes"] == 8 * 1_200_000_000
+    assert resident["cached_subgroups"] == [8, 9] and resident["tiers"][0]["read_bytes"] == 8 * REGION
+    assert alternate["cached_subgroups"] == [0, 1, 8, 9] and alternate["tiers"][0]["read_bytes"] == 8 * REGION
     assert resident["predicted_seconds"] == pytest.approx(alternate["predicted_seconds"])
 
 
@@ -59,13 +61,13 @@ def test_working_buffers_carry_subgroups_over_as_the_optimizer_does(capsys, tmp_
     # 10 subgroups of 1.2 GB, 2 cached and (by default) 5 carried by the optimizer's working
     # buffers: each iteration reads 3 and writes 3, as OffloadAdam does.
     argv = ["--paths", f"{tmp_path}:bw=1GB/s,rw=shared", "--num-params", "1B", "--subgroup-params", "100M",
-            "--ranks-per-node", "1", "--host-cache-bytes", "2.4GB", "--calibration", "off"]
+            "--ranks-per-node", "1", "--host-cache-bytes", CACHE_2, "--calibration", "off"]
     rc, out, _ = run(capsys, *argv, "--json")
     d = json.loads(out)
     assert d["config"]["working_buffers"] == 5
     tier = d["placement"]["tiers"][0]
-    assert tier["read_bytes"] == tier["write_bytes"] == 3 * 1_200_000_000
-    assert d["placement"]["predicted_seconds"] == pytest.approx(6 * 1.2)
+    assert tier["read_bytes"] == tier["write_bytes"] == 3 * REGION
+    assert d["placement"]["predicted_seconds"] == pytest.approx(6 * REGION / 1e9)
     rc, out, _ = run(capsys, *argv)
     assert "working buffers: 5 more subgroups" in out
     rc, out, _ = run(capsys, *argv, "--cache-model", "resident", "--json")
@@ -93,7 +95,8 @@ def test_no_probe_plans_paths_that_do_not_exist_here(capsys, tmp_path):
     rc, out, _ = run(capsys, "--paths", f"{ghost}:bw=6GB/s,rw=separate", "--num-params", "7B",
                      "--ranks-per-node", "4", "--no-probe", "--working-buffers", "0", "--json")
     assert rc == 0 and not ghost.exists()
-    assert json.loads(out)["placement"]["predicted_seconds"] == pytest.approx(7e9 / 4 * 12 * 4 / 6e9)
+    stored = sum(sg.region_bytes for sg in SubgroupPlan([(0, 7 * 10**9 // 4)], 100_000_000))
+    assert json.loads(out)["placement"]["predicted_seconds"] == pytest.approx(stored * 4 / 6e9)
 
 
 def test_bad_count_rejected_with_flag(capsys, tmp_path):
@@ -102,12 +105,17 @@ def test_bad_count_rejected_with_flag(capsys, tmp_path):
     assert rc == 2 and "--num-params" in err and "lots" in err
 
 
-def test_parse_count_and_layout():
-    assert parse_count("7B", "--x") == 7_000_000_000 and parse_count("100M", "--x") == 100_000_000
-    assert parse_count("4096", "--x") == 4096
-    with pytest.raises(ConfigError):
-        parse_count("-1", "--x")
-    assert subgroup_layout(25, 10) == [10, 10, 5] and subgroup_layout(20, 10) == [10, 10]
+def test_counts_use_the_one_grammar_and_subgroups_are_the_optimizers(capsys, tmp_path):
+    rc, out, err = run(capsys, "--paths", f"{tmp_path}:bw=1GB/s", "--num-params", "2.5e4", "--subgroup-params", "1e4",
+                       "--ranks-per-node", "1", "--calibration", "off", "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    plan = SubgroupPlan([(0, 25_000)], 10_000)
+    assert d["config"]["num_subgroups"] == len(plan) == 3
+    assert d["placement"]["tiers"][0]["stored_bytes"] == sum(sg.region_bytes for sg in plan)
+    assert d["config"]["state_bytes_per_rank"] == 12 * 25_000
+    rc, _, err = run(capsys, "--paths", str(tmp_path), "--num-params", "1.5", "--ranks-per-node", "1")
+    assert rc == 2 and "--num-params: '1.5' is not a whole count" in err, err
 
 
 def test_plan_creates_nothing_and_says_the_path_does_not_exist_when_a_tier_path_is_missing(capsys, tmp_path):
@@ -142,13 +150,13 @@ def test_host_memory_is_spent_as_the_optimizer_spends_it_when_given(capsys, tmp_
     # 1B params on one rank: 4 GB of bf16 staging, then 1.2 GB subgroup buffers: 5 working, 2 cache.
     argv = ["--paths", f"{tmp_path}:bw=1GB/s,rw=shared", "--num-params", "1B", "--subgroup-params", "100M",
             "--ranks-per-node", "1", "--calibration", "off"]
-    rc, out, err = run(capsys, *argv, "--host-memory", str(4 * 10**9 + 7 * 1_200_000_000 + 5), "--json")
+    rc, out, err = run(capsys, *argv, "--host-memory", str(4 * 10**9 + 7 * REGION + 5), "--json")
     assert rc == 0, err
     d = json.loads(out)
     m = d["config"]["host_memory"]
     assert m["staging_bytes"] == 4 * 10**9 and (m["working_buffers"], m["cache_buffers"]) == (5, 2)
-    assert d["config"]["working_buffers"] == 5 and d["config"]["host_cache_bytes"] == 2 * 1_200_000_000
+    assert d["config"]["working_buffers"] == 5 and d["config"]["host_cache_bytes"] == 2 * REGION
     tier = d["placement"]["tiers"][0]
-    assert tier["read_bytes"] == tier["write_bytes"] == 3 * 1_200_000_000, "the same as cache 2.4GB + 5 buffers"
+    assert tier["read_bytes"] == tier["write_bytes"] == 3 * REGION, "the same as a cache of 2 buffers + 5 working ones"
     rc, _, err = run(capsys, *argv, "--host-memory", "5GB")
     assert rc == 2 and "--mlp-offload-host-memory" in err and "minimum pipeline" in err
