@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from megatron_mlp.bench.io_geometry import add_io_geometry_args, io_geometry
+from megatron_mlp.bench.common import add_io_geometry_args, io_geometry
 from megatron_mlp.engine.defaults import DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEUE_DEPTH
 from megatron_mlp.errors import ConfigError, EngineUnavailable
 from megatron_mlp.units import parse_size

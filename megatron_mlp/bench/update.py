@@ -63,7 +63,7 @@ import sys
 import tempfile
 import time
 
-from megatron_mlp.bench.io_geometry import add_io_geometry_args, io_geometry
+from megatron_mlp.bench.common import add_io_geometry_args, io_geometry
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier.spec import TierSpec, parse_tier_paths
 from megatron_mlp.units import parse_size
