@@ -63,6 +63,7 @@ import sys
 import tempfile
 import time
 
+from megatron_mlp.bench.alongside import alongside_adam
 from megatron_mlp.bench.common import add_io_geometry_args, io_geometry
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier.spec import TierSpec, parse_tier_paths
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "in flight, one fewer while some is, as --mlp-offload-adam-threads)")
     p.add_argument("--no-ablation", action="store_true", help="only the baseline and MLP-Offload")
     p.add_argument("--no-interference", action="store_true",
-                   help="skip measuring each real tier alongside the Adam kernel (bench interference)")
+                   help="skip measuring each real tier alongside the Adam kernel ")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="write a Chrome trace (Perfetto) of MLP-Offload's steps in --trace-steps to FILE "
@@ -138,7 +139,7 @@ def measure_tier(spec: TierSpec, nbytes: int, backend: str, block_bytes: int, qu
     """
     import threading
 
-    from megatron_mlp.bench.interference import pass_request_bytes, sequential_pass
+    from megatron_mlp.bench.alongside import pass_request_bytes, sequential_pass
     from megatron_mlp.engine import Engine
 
     qos = int(spec.qos_bytes_per_s or 0)
@@ -203,17 +204,6 @@ def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-def alongside_adam(path: str, nbytes: int, backend: str, block_bytes: int, queue_depth: int) -> dict:
-    """The tier's write and read bandwidth while the fused Adam kernel runs on one core, against
-    idle passes of the same measurement: the step runs that kernel while its tiers move the state,
-    and the I/O bound (idle cores) cannot see what it costs on a host where they compete."""
-    from megatron_mlp.bench.interference import measure_interference
-
-    r = measure_interference(path, nbytes, ("adam",), repeats=1, backend=backend, block_bytes=block_bytes,
-                             queue_depth=queue_depth)["adam"]
-    return {k: r[k] for k in ("write_bytes_per_s", "read_bytes_per_s", "write_vs_idle", "read_vs_idle")}
 
 
 def io_time_bound(read_bytes: float, write_bytes: float, bw: dict) -> float:
@@ -679,7 +669,7 @@ def _text(summary) -> str:
         if t.get("alongside_adam"):
             a = t["alongside_adam"]
             lines.append(f"    alongside the Adam kernel on one core it reads at {a['read_vs_idle']:.2f}x and writes "
-                         f"at {a['write_vs_idle']:.2f}x its idle rate (bench interference); the reference assumes "
+                         f"at {a['write_vs_idle']:.2f}x its idle rate; the reference assumes "
                          f"idle cores")
     lines.append(f"ZeRO-3-style baseline: update {summary['baseline_s']:.2f} s "
                  f"(+ {summary['baseline_backward_grad_write_s']:.2f} s writing fp32 grads in backward)")
