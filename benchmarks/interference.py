@@ -38,7 +38,8 @@ GB = 1e9
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python benchmarks/interference.py", description=__doc__.split("\n")[0])
-    p.add_argument("--path", required=True, help="directory on the tier to measure (a temp file is created and removed)")
+    p.add_argument("--path", required=True,
+                   help="directory on the tier to measure (a temp file is created and removed)")
     p.add_argument("--bytes", default="1GB", help="bytes per pass (default 1GB)")
     p.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated loads (default {','.join(LOADS)})")
     p.add_argument("--repeats", type=int, default=3)
