@@ -1,80 +1,51 @@
 """``bench update``'s tier bandwidths: each tier measured before and after the steps.
 
-Per tier: an O_DIRECT write pass, a read pass, and a read+write pass at once, through the engine
-geometry of the run's flags and the tier's ``qos=`` cap, best of two each. Whether reads and
-writes share one limit is calibration's rule (``tier.calibration.classify_shared_rw``), so the
-bench and ``megatron-mlp calibrate`` label a tier alike. On a real tier, optionally, its bandwidth
+Per tier: an O_DIRECT write pass, a read pass, and a read+write pass at once -- calibration's
+passes (``tier.calibration.measure_path``), driven with the engine geometry of the run's flags and
+the tier's ``qos=`` cap, best of two each. Whether reads and writes share one limit is
+calibration's rule (``tier.calibration.classify_shared_rw``), so the bench and
+``megatron-mlp calibrate`` measure and label a tier alike. On a real tier, optionally, its bandwidth
 alongside the Adam kernel (``bench.alongside``). The references a step is held to come from these
 passes: ``io_time_bound`` per tier and ``policy_reference`` over all of them.
 """
 from __future__ import annotations
 
 import os
-import tempfile
 
 from megatron_mlp.bench.alongside import alongside_adam
-from megatron_mlp.bench.common import timed
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier.calibration import calibration_bytes, classify_shared_rw
 from megatron_mlp.tier.spec import TierSpec
 
-def measure_tier(spec: TierSpec, nbytes: int, backend: str, block_bytes: int, queue_depth: int) -> dict:
-    """O_DIRECT write, read, and concurrent read+write bandwidth of one tier (with its QoS cap).
+def measure_tier(spec: TierSpec, nbytes: int, backend: str, block_bytes: int, queue_depth: int,
+                 repeats: int = 2) -> dict:
+    """O_DIRECT write, read, and concurrent read+write bandwidth of one tier (with its QoS cap),
+    measured by calibration's passes (``tier.calibration.measure_path``, one process).
 
-    Reads and writes use two engines, as the optimizer does on a tier with split lanes, so the
-    concurrent pass measures the device (or the cap), not one engine's queue.
+    The passes drive their engines as the run does (backend, geometry, a ``qos=`` tier's cap) and
+    time overwriting, as the optimizer overwrites its slots in steady state: a first write into a
+    fresh file (block or tmpfs page allocation) is slower. The concurrent pass runs a reader and a
+    writer in two processes, each with its own engine, as the optimizer's split lanes do, so it
+    measures the device (or the cap), not one engine's queue. Best of ``repeats`` per figure: a
+    reference must not be inflated by a momentary slowdown.
     """
-    import threading
+    from megatron_mlp.bench.alongside import pass_request_bytes
+    from megatron_mlp.tier.calibration import PassOptions, measure_path
 
-    from megatron_mlp.bench.alongside import pass_request_bytes, sequential_pass
-    from megatron_mlp.engine import Engine
-
-    qos = int(spec.qos_bytes_per_s or 0)
     chunk = max(4096, pass_request_bytes(block_bytes, queue_depth, nbytes))
     nbytes = max(chunk, nbytes // chunk * chunk)
-    d = tempfile.mkdtemp(prefix="mlp-offload-bw-", dir=spec.path)
-    engines = [Engine(backend=backend, block_bytes=block_bytes, queue_depth=queue_depth, num_threads=queue_depth,
-                      read_limit_bytes_per_s=qos, write_limit_bytes_per_s=qos) for _ in range(2)]
-    bufs = [[eng.alloc(chunk) for _ in range(2)] for eng in engines]
-    paths = [os.path.join(d, f"f{i}") for i in range(2)]
-    files = [[eng.open(p, create=True, direct=True) for p in paths] for eng in engines]
-
-    def one_pass(k, write, f):   # two requests in flight on engine k; returns seconds
-        return nbytes / sequential_pass(engines[k], files[k][f], bufs[k], nbytes, write)
-
-    def both():
-        threads = [threading.Thread(target=one_pass, args=(0, False, 1)),
-                   threading.Thread(target=one_pass, args=(1, True, 0))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    try:
-        # Allocate both files first: the optimizer overwrites its slots in steady state, and a
-        # first write to a fresh file (block or tmpfs page allocation) is slower than that.
-        one_pass(1, True, 1)
-        one_pass(1, True, 0)
-        # Best of two passes each: the bound must not be inflated by a momentary slowdown.
-        t_write = min(one_pass(1, True, 0) for _ in range(2))
-        t_read = min(one_pass(0, False, 0) for _ in range(2))
-        t_mixed = min(timed(both) for _ in range(2))
-    finally:
-        for per_engine in files:
-            for f in per_engine:
-                f.close()
-        for eng in engines:
-            eng.close()
-        for p in paths:
-            os.unlink(p)
-        os.rmdir(d)
-    read_bps, write_bps, mixed_bps = nbytes / t_read, nbytes / t_write, 2 * nbytes / t_mixed
-    # Shared limit: calibration's rule, the closer of the two models of the mixed pass's time.
-    shared = classify_shared_rw(nbytes, read_bps, write_bps, t_mixed)
+    options = PassOptions(backend=backend, limit_bytes_per_s=int(spec.qos_bytes_per_s or 0),
+                          num_threads=queue_depth, overwrite=True)
+    passes = [measure_path(spec.path, nbytes, procs=1, block_bytes=block_bytes, queue_depth=queue_depth,
+                           chunk_bytes=chunk, options=options) for _ in range(repeats)]
+    read_bps = max(c.read_bytes_per_s for c in passes)
+    write_bps = max(c.write_bytes_per_s for c in passes)
+    mixed_bps = max(c.mixed_bytes_per_s for c in passes)
     return {"path": spec.path, "emulated": spec.qos_bytes_per_s is not None,
             "qos_bytes_per_s": spec.qos_bytes_per_s, "read_bytes_per_s": read_bps,
             "write_bytes_per_s": write_bps, "concurrent_bytes_per_s": mixed_bps,
-            "shared_rw_limit": shared, "measured_bytes": nbytes}
+            "shared_rw_limit": classify_shared_rw(nbytes, read_bps, write_bps, 2 * nbytes / mixed_bps),
+            "measured_bytes": nbytes}
 
 
 def calib_bytes(spec: TierSpec, calib: int) -> int:
