@@ -113,14 +113,14 @@ class _Load:
 def pass_request_bytes(block_bytes: int, queue_depth: int, nbytes: int) -> int:
     """Bytes per request of a sequential pass: enough for one request alone to fill the engine's
     queue (at least 64 MiB), so that a pass drives the tier as deep as a step's whole-region
-    requests do; at most ``nbytes`` rounded down to 4096."""
+    requests do; at most ``nbytes`` rounded down to 4096. bench update's tier passes use the same
+    request size."""
     return min(max(64 << 20, block_bytes * queue_depth), nbytes // 4096 * 4096)
 
 
 def sequential_pass(eng, f, bufs, nbytes: int, write: bool) -> float:
     """One sequential pass over ``nbytes`` of the file, two requests in flight (one per buffer of
-    ``bufs``, whose size is the request size); returns bytes/s. The bandwidth pass of bench
-    update uses it too."""
+    ``bufs``, whose size is the request size); returns bytes/s."""
     submit = eng.write if write else eng.read
     inflight = []
     t0 = time.perf_counter()
