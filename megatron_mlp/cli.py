@@ -20,9 +20,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "io": ("megatron_mlp.bench.io", "engine sequential O_DIRECT bandwidth vs fio (and DeepSpeed aio)"),
     "adam": ("megatron_mlp.bench.adam", "fused CPU Adam throughput vs torch / DeepSpeed and the memory bound"),
     "update": ("megatron_mlp.bench.update", "update phase: MLP-Offload vs ZeRO-3-style baseline, with ablation"),
-    "contention": ("megatron_mlp.bench.contention", "processes sharing one tier, with and without tier tokens"),
-    "faults": ("megatron_mlp.bench.faults", "fault-injection campaign: injected / detected / recovered / lost"),
-    "interference": ("megatron_mlp.bench.interference", "a tier's bandwidth while a core computes or copies memory"),
 }
 
 

@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 
-from megatron_mlp.bench.quiet import stdout_to_stderr
+from megatron_mlp.bench.common import stdout_to_stderr
 
 GRAD_DTYPES = ("bf16", "fp16", "fp32")
 

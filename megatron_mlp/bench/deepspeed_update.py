@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import time
 
-from megatron_mlp.bench.quiet import stdout_to_stderr
+from megatron_mlp.bench.common import stdout_to_stderr
 
 
 def deepspeed_unavailable_reason() -> str | None:

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from megatron_mlp.bench.quiet import stdout_to_stderr
+from megatron_mlp.bench.common import stdout_to_stderr
 from megatron_mlp.errors import ConfigError, EngineUnavailable
 
 GB = 1e9

@@ -1,4 +1,4 @@
-"""Fault injection around the real engine, for tests and ``megatron-mlp bench faults``.
+"""Fault injection around the real engine, for tests and ``benchmarks/faults.py``.
 
 ``FaultyEngines`` is an ``engine_factory`` for OffloadAdam that keeps every engine it builds, so
 a caller can use the engine's own fault hook (``inject_fault``: EIO, ENOSPC, short transfers).

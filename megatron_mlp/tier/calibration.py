@@ -52,15 +52,31 @@ class TierBandwidth:
 CALIBRATE_PREFIX = ".mlp-calibrate-"
 
 
+@dataclass(frozen=True)
+class PassOptions:
+    """How a pass drives its engine beyond the I/O geometry; the defaults are calibration's own.
+    ``bench update`` measures its tiers through the same passes with the run's backend, a ``qos=``
+    tier's cap, and overwriting (as the optimizer overwrites its slots in steady state)."""
+
+    backend: str = "auto"
+    limit_bytes_per_s: int = 0       # the engine's cap on each direction (0: none)
+    num_threads: int | None = None   # thread-pool workers (None: the engine's default)
+    overwrite: bool = False          # write the file once, untimed, before a timed write
+
+
 def _io_pass(directory: str, size_bytes: int, phases: tuple[str, ...], barrier, block_bytes: int,
-             queue_depth: int, chunk_bytes: int, name: str, run_tag: str = "") -> dict:
+             queue_depth: int, chunk_bytes: int, name: str, run_tag: str = "",
+             options: PassOptions = PassOptions()) -> dict:
     from megatron_mlp.engine import Engine
 
     # The run's tag first: whatever a killed worker leaves behind, the run finds by name and removes.
     file_path = os.path.join(directory, f"{CALIBRATE_PREFIX}{run_tag}-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     result = {"direct": False, "backend": ""}
     created = False
-    eng = Engine(block_bytes=block_bytes, queue_depth=queue_depth)
+    threads = {} if options.num_threads is None else {"num_threads": options.num_threads}
+    eng = Engine(backend=options.backend, block_bytes=block_bytes, queue_depth=queue_depth,
+                 read_limit_bytes_per_s=options.limit_bytes_per_s, write_limit_bytes_per_s=options.limit_bytes_per_s,
+                 **threads)
     try:
         result["backend"] = eng.backend
         chunk = min(chunk_bytes, size_bytes)
@@ -73,7 +89,7 @@ def _io_pass(directory: str, size_bytes: int, phases: tuple[str, ...], barrier, 
         result["direct"] = bool(f.direct)
         try:
             _preallocate(f, size_bytes)  # tier files are overwritten in place: time that, not allocation
-            if phases[0] == "read":  # something to read: written before the timed phases
+            if phases[0] == "read" or options.overwrite:  # something to read or overwrite, untimed
                 for off in range(0, size_bytes, chunk):
                     eng.write(f, buf, off, nbytes=min(chunk, size_bytes - off))
                 eng.wait_all()
@@ -200,22 +216,25 @@ def classify_shared_rw(size_bytes: int, read_bytes_per_s: float, write_bytes_per
     return abs(math.log(mixed_seconds / t_shared)) <= abs(math.log(mixed_seconds / t_separate))
 
 
-def _measure_passes(path, size_bytes, procs, block_bytes, queue_depth, chunk_bytes, run_tag):
+def _measure_passes(path, size_bytes, procs, block_bytes, queue_depth, chunk_bytes, run_tag,
+                    options: PassOptions = PassOptions()):
     """The single-process, ``procs``-process and mixed passes of :func:`measure_path`."""
     single = _io_pass(path, size_bytes, ("write", "read"), None, block_bytes, queue_depth, chunk_bytes, "single",
-                      run_tag)
+                      run_tag, options)
     w1 = size_bytes / max(1e-9, single["write"][1] - single["write"][0])
     r1 = size_bytes / max(1e-9, single["read"][1] - single["read"][0])
     if procs > 1:
         many = _run_procs([(path, size_bytes, ("write", "read"), block_bytes, queue_depth, chunk_bytes, "multi",
-                            run_tag) for _ in range(procs)])
+                            run_tag, options) for _ in range(procs)])
         wk = procs * size_bytes / max(1e-9, _span(many, "write"))
         rk = procs * size_bytes / max(1e-9, _span(many, "read"))
     else:
         wk, rk = w1, r1
     # Mixed: one writer and one reader at once (the reader's file is written first, untimed).
-    mixed = _run_procs([(path, size_bytes, ("write",), block_bytes, queue_depth, chunk_bytes, "mixw", run_tag),
-                        (path, size_bytes, ("read",), block_bytes, queue_depth, chunk_bytes, "mixr", run_tag)])
+    mixed = _run_procs([(path, size_bytes, ("write",), block_bytes, queue_depth, chunk_bytes, "mixw", run_tag,
+                         options),
+                        (path, size_bytes, ("read",), block_bytes, queue_depth, chunk_bytes, "mixr", run_tag,
+                         options)])
     t_mixed = max(r[p][1] for r in mixed for p in ("write", "read") if p in r) - \
         min(r[p][0] for r in mixed for p in ("write", "read") if p in r)
     return single, r1, w1, rk, wk, t_mixed
@@ -223,8 +242,9 @@ def _measure_passes(path, size_bytes, procs, block_bytes, queue_depth, chunk_byt
 
 def measure_path(path: str, size_bytes: int = DEFAULT_SIZE_BYTES, procs: int = 4,
                  block_bytes: int = DEFAULT_IO_BLOCK_BYTES, queue_depth: int = DEFAULT_IO_QUEUE_DEPTH,
-                 chunk_bytes: int = 64 << 20) -> PathCalibration:
-    """Measure one path (see the module docstring). Needs the C++ engine.
+                 chunk_bytes: int = 64 << 20, options: PassOptions = PassOptions()) -> PathCalibration:
+    """Measure one path (see the module docstring). Needs the C++ engine. ``options``: how the
+    passes drive their engines (default: calibration's own way).
 
     Raises:
         ConfigError: bad sizes. EngineUnavailable: no engine. TierIOError: I/O failed.
@@ -237,7 +257,7 @@ def measure_path(path: str, size_bytes: int = DEFAULT_SIZE_BYTES, procs: int = 4
     info = device_info(path)
     run_tag = uuid.uuid4().hex[:12]
     try:
-        passes = _measure_passes(path, size_bytes, procs, block_bytes, queue_depth, chunk_bytes, run_tag)
+        passes = _measure_passes(path, size_bytes, procs, block_bytes, queue_depth, chunk_bytes, run_tag, options)
     finally:
         # Every exit (an error, Ctrl-C, SIGTERM made an exception by the CLI): nothing stays behind,
         # not even the file of a worker that was killed before it could remove its own.

@@ -1,28 +1,24 @@
-"""Smoke test of `megatron-mlp bench faults --json` at tiny sizes: every kind injected, detected,
-recovered, nothing lost, and the final state bit-equal to the fault-free reference."""
+"""Smoke test of `python benchmarks/faults.py --json` at tiny sizes, run by path: every kind
+injected, detected, recovered, nothing lost, and the final state bit-equal to the fault-free
+reference."""
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-
-from megatron_mlp.bench.faults import KINDS
+from benchmark_scripts import load, run_script
 
 pytest.importorskip("megatron_mlp._C", reason="the C++ core is not built")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+faults = load("faults")
 
 
 def test_bench_faults_json_reports_zero_lost_and_bit_equal_for_every_kind(disk_dir):
-    r = subprocess.run([sys.executable, "-m", "megatron_mlp", "bench", "faults", "--json", "--steps", "5",
-                        "--faults-per-kind", "1", "--num-params", "60000", "--subgroup-params", "10000",
-                        "--checkpoint-every", "2", "--dir", disk_dir],
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
+    r = run_script("faults", "--json", "--steps", "5", "--faults-per-kind", "1", "--num-params", "60000",
+                   "--subgroup-params", "10000", "--checkpoint-every", "2", "--dir", disk_dir)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)          # one JSON object, nothing else on stdout
-    assert set(report["kinds"]) == set(KINDS)
+    assert set(report["kinds"]) == set(faults.KINDS)
     for kind, k in report["kinds"].items():
         assert k["injected"] == 1, (kind, k)
         assert k["detected"] == k["injected"] and k["recovered"] == k["injected"], (kind, k)
@@ -32,15 +28,13 @@ def test_bench_faults_json_reports_zero_lost_and_bit_equal_for_every_kind(disk_d
 
 
 def test_bench_faults_rejects_an_unknown_kind_naming_the_flag():
-    from megatron_mlp.bench.faults import main
     from megatron_mlp.errors import ConfigError
     with pytest.raises(ConfigError, match="--kinds: unknown kind 'meteor'"):
-        main(["--kinds", "eio,meteor"])
+        faults.main(["--kinds", "eio,meteor"])
 
 
 def test_bench_faults_names_the_kind_that_did_not_finish_and_why_and_still_reports_the_others(disk_dir, monkeypatch,
                                                                                              capsys):
-    from megatron_mlp.bench import faults
     real_run = faults._Campaign.run
 
     def run(self):

@@ -5,7 +5,9 @@ import threading
 
 import pytest
 
-from megatron_mlp.tier.stats import TierStats
+from benchmark_scripts import load
+
+TierStats = load("tier_stats").TierStats
 
 
 def test_gbps_is_bytes_moved_over_busy_time_when_io_recorded():

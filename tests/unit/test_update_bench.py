@@ -1,14 +1,18 @@
-"""Smoke test of `megatron-mlp bench update` with tiny sizes (figures are not asserted, structure is)."""
+"""Smoke test of `megatron-mlp bench update` with tiny sizes (figures are not asserted, structure is).
+
+`--json` prints the run's `UpdateResult` in sections (baseline, mlp, speedup, paired, references, ...)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
 import pytest
 
-from megatron_mlp.bench import update
+from megatron_mlp.bench import update, update_rank, update_report, update_result, update_tiers
 from megatron_mlp.errors import ConfigError
+from megatron_mlp.tier.calibration import classify_shared_rw
 
 
 REGION = 3 * (-(-50000 * 4 // 4096) * 4096)   # p, m, v of 50000 params, each 4096-aligned
@@ -18,7 +22,10 @@ def run_json(capsys, *argv) -> dict:
     assert update.main([*argv, "--json"]) == 0
     out = capsys.readouterr().out
     assert out.count("\n") == 1, "--json must print exactly one JSON object on stdout"
-    return json.loads(out)
+    s = json.loads(out)
+    sections = {f.name for f in dataclasses.fields(update_result.UpdateResult)}
+    assert set(s) == {"benchmark"} | sections, "--json prints the UpdateResult's sections"
+    return s
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -31,22 +38,27 @@ def test_bench_update_reports_baseline_mlp_ablation_and_references_when_run_tiny
     s = run_json(capsys, "--paths", f"{disk_dir};{shm_dir}:qos=1GB/s", "--num-params", str(600000 * ranks),
                  "--subgroup-params", "50000", "--host-memory", str(budget), "--calib-bytes", "8MB",
                  "--steps", "3", "--ranks", str(ranks), *skip_interference)
-    for key in ("baseline_s", "mlp_s", "speedup", "io_reference_s", "predicted_s", "baseline_backward_grad_write_s",
-                "policy_reference_s", "speedup_reference"):
-        assert s[key] > 0, key
-    assert s["speedup_reference"] == pytest.approx(s["baseline_s"] / s["policy_reference_s"])
+    for section, key in (("baseline", "seconds"), ("mlp", "seconds"), ("speedup", "update"),
+                         ("references", "io_s"), ("references", "predicted_s"), ("baseline", "backward_grad_write_s"),
+                         ("references", "policy_s"), ("speedup", "reference")):
+        assert s[section][key] > 0, (section, key)
+    assert s["speedup"]["reference"] == pytest.approx(s["baseline"]["seconds"] / s["references"]["policy_s"])
     # Both sides within the one stated budget per rank, measured.
     assert s["config"]["host_memory_bytes"] == budget
-    assert 0 < s["baseline_host_bytes"] <= budget and 0 < s["mlp_host_bytes"] <= budget
-    assert s["mlp_host_memory"]["cache_buffers"] == 2 and s["mlp_host_memory"]["working_buffers"] == 5
+    assert 0 < s["baseline"]["host_bytes"] <= budget and 0 < s["mlp"]["host_bytes"] <= budget
+    assert s["mlp"]["host_memory"]["cache_buffers"] == 2 and s["mlp"]["host_memory"]["working_buffers"] == 5
     assert [row["host_memory_bytes"] for row in s["sweep"]] == [budget]
     assert all(t["after"]["read_bytes_per_s"] > 0 for t in s["tiers"]), "bandwidth measured after the steps too"
     assert isinstance(s["faster_than_reference"], list)
     names = [a["name"] for a in s["ablation"]]
     assert names[0].startswith("ZeRO-3") and names[-1].endswith("(= MLP-Offload)") and len(names) == 7
-    assert s["ablation"][-1]["seconds"] == s["mlp_s"]
-    assert s["mlp_no_checksum_s"] > 0 and s["checksum_cost_s"] is not None
+    assert s["ablation"][-1]["seconds"] == s["mlp"]["seconds"]
+    assert s["mlp"]["no_checksum_s"] > 0 and s["mlp"]["checksum_cost_s"] is not None
     assert [t["label"] for t in s["tiers"]] == ["real", "emulated"]
+    for t in s["tiers"]:   # the read/write limit by calibration's rule, as `megatron-mlp calibrate` labels it
+        n = t["measured_bytes"]
+        mixed_s = 2 * n / t["concurrent_bytes_per_s"]
+        assert t["shared_rw_limit"] == classify_shared_rw(n, t["read_bytes_per_s"], t["write_bytes_per_s"], mixed_s)
     assert s["emulated_paths"] == [shm_dir]
     assert "alongside_adam" not in s["tiers"][1], "an emulated tier runs at its cap: nothing to measure"
     if skip_interference:
@@ -58,35 +70,35 @@ def test_bench_update_reports_baseline_mlp_ablation_and_references_when_run_tiny
     # What must hold whatever the timing: MLP-Offload moves fewer bytes than the baseline (no
     # gradients, the pool carries 7 of 12 subgroups over) on the tiers its placement chose.
     mlp_moved = sum(t["mlp_bytes_read_per_step"] + t["mlp_bytes_written_per_step"] for t in s["tiers"])
-    assert mlp_moved < s["baseline_bytes_read_per_step"] + s["baseline_bytes_written_per_step"]
+    assert mlp_moved < s["baseline"]["bytes_read_per_step"] + s["baseline"]["bytes_written_per_step"]
     region = REGION
     reads = sum(t["mlp_bytes_read_per_step"] for t in s["tiers"])
     writes = sum(t["mlp_bytes_written_per_step"] for t in s["tiers"])
     assert reads == writes == 5 * region * ranks, "each step reads and writes back what the pool cannot hold"
     for j, t in enumerate(s["tiers"]):
         if t["mlp_bytes_written_per_step"]:
-            assert j in s["mlp_tier_of"], "bytes moved on a tier the placement left empty"
+            assert j in s["mlp"]["tier_of"], "bytes moved on a tier the placement left empty"
     assert sum(t["mlp_cache_hits"] for t in s["tiers"]) > 0
     assert sum(t["mlp_warm_hits"] for t in s["tiers"]) > 0
-    assert s["mlp_warm_bytes"] > 0 and s["baseline_host_bytes"] > 0
-    assert s["mlp_host_bytes"] <= s["mlp_host_limit_bytes"] <= budget
+    assert s["mlp"]["warm_bytes"] > 0 and s["baseline"]["host_bytes"] > 0
+    assert s["mlp"]["host_bytes"] <= s["mlp"]["host_limit_bytes"] <= budget
     assert s["config"]["ranks"] == ranks
     # As many more MLP-Offload steps, each paired with the engine alone moving the same bytes; then
     # as many rounds of a baseline step and an MLP-Offload step.
-    assert len(s["replay_steps_s"]) == len(s["mlp_paired_steps_s"]) == 3 and s["replay_s"] > 0
-    assert len(s["baseline_paired_steps_s"]) == len(s["mlp_beside_baseline_steps_s"]) == 3
-    assert s["baseline_paired_s"] == s["baseline_paired_steps_s"][2], "the median after the two warm-up rounds"
-    assert s["mlp_beside_baseline_s"] == s["mlp_beside_baseline_steps_s"][2]
-    assert s["speedup_paired"] == pytest.approx(s["baseline_paired_s"] / s["mlp_beside_baseline_s"])
-    assert s["mlp_vs_replay"] == pytest.approx(s["mlp_paired_s"] / s["replay_s"])
-    assert s["replay_vs_io_reference"] == pytest.approx(s["replay_s"] / s["io_reference_s"])
+    assert len(s["paired"]["replay_steps_s"]) == len(s["paired"]["mlp_steps_s"]) == 3 and s["paired"]["replay_s"] > 0
+    assert len(s["paired"]["baseline_steps_s"]) == len(s["paired"]["mlp_beside_baseline_steps_s"]) == 3
+    assert s["paired"]["baseline_s"] == s["paired"]["baseline_steps_s"][2], "the median after the two warm-up rounds"
+    assert s["paired"]["mlp_beside_baseline_s"] == s["paired"]["mlp_beside_baseline_steps_s"][2]
+    assert s["speedup"]["paired"] == pytest.approx(s["paired"]["baseline_s"] / s["paired"]["mlp_beside_baseline_s"])
+    assert s["paired"]["mlp_vs_replay"] == pytest.approx(s["paired"]["mlp_s"] / s["paired"]["replay_s"])
+    assert s["paired"]["replay_vs_io_reference"] == pytest.approx(s["paired"]["replay_s"] / s["references"]["io_s"])
     # After the two warm-up pairs, as every median: one pair here, so no standard error.
-    assert s["pipeline_overhead_s"] == pytest.approx(s["mlp_paired_steps_s"][2] - s["replay_steps_s"][2])
-    assert s["pipeline_overhead_stderr_s"] is None
+    assert s["paired"]["pipeline_overhead_s"] == pytest.approx(s["paired"]["mlp_steps_s"][2] - s["paired"]["replay_steps_s"][2])
+    assert s["paired"]["pipeline_overhead_stderr_s"] is None
     # The step's CPU reference: its kernels alone, and the larger of that and the I/O reference.
-    assert s["kernel_reference_s"] > 0
-    assert s["step_reference_s"] == max(s["io_reference_s"], s["kernel_reference_s"])
-    assert s["mlp_vs_step_reference"] == pytest.approx(s["mlp_s"] / s["step_reference_s"])
+    assert s["references"]["kernel_s"] > 0
+    assert s["references"]["step_s"] == max(s["references"]["io_s"], s["references"]["kernel_s"])
+    assert s["references"]["mlp_vs_step"] == pytest.approx(s["mlp"]["seconds"] / s["references"]["step_s"])
     leftovers = [n for d in (disk_dir, shm_dir) for n in os.listdir(d)]
     assert leftovers == [], f"bench left files behind: {leftovers}"
 
@@ -141,9 +153,9 @@ def test_an_emulated_tier_is_measured_for_one_second_of_its_cap_and_a_real_one_f
     from megatron_mlp.tier.spec import parse_tier_paths
 
     real, emulated = parse_tier_paths("/r;/e:qos=1GB/s", flag="--paths")
-    assert update.calib_bytes(real, 4 * 10**9) == 4 * 10**9
-    assert update.calib_bytes(emulated, 4 * 10**9) == 10**9
-    assert update.calib_bytes(emulated, 8 << 20) == 8 << 20
+    assert update_tiers.calib_bytes(real, 4 * 10**9) == 4 * 10**9
+    assert update_tiers.calib_bytes(emulated, 4 * 10**9) == 10**9
+    assert update_tiers.calib_bytes(emulated, 8 << 20) == 8 << 20
 
 
 def test_bench_update_rejects_a_missing_path_naming_the_flag(disk_dir):
@@ -154,17 +166,17 @@ def test_bench_update_rejects_a_missing_path_naming_the_flag(disk_dir):
 def test_io_time_bound_adds_reads_and_writes_on_a_shared_limit_and_overlaps_them_otherwise():
     disk = {"read_bytes_per_s": 1.0, "write_bytes_per_s": 2.0, "concurrent_bytes_per_s": 1.0}
     duplex = {"read_bytes_per_s": 1.0, "write_bytes_per_s": 1.0, "concurrent_bytes_per_s": 2.0}
-    assert update.io_time_bound(4, 4, disk) == pytest.approx(4 / 1 + 4 / 2)
-    assert update.io_time_bound(4, 4, duplex) == pytest.approx(4)
+    assert update_tiers.io_time_bound(4, 4, disk) == pytest.approx(4 / 1 + 4 / 2)
+    assert update_tiers.io_time_bound(4, 4, duplex) == pytest.approx(4)
 
 
 def test_policy_reference_splits_the_uncached_bytes_so_every_tier_finishes_together():
     disk = {"read_bytes_per_s": 1.0, "write_bytes_per_s": 2.0, "concurrent_bytes_per_s": 1.0}   # 1.5 s per byte
     duplex = {"read_bytes_per_s": 1.0, "write_bytes_per_s": 1.0, "concurrent_bytes_per_s": 2.0}  # 1 s per byte
     # 10 bytes of state, 4 cached: 6 bytes each way at 1/1.5 + 1/1 bytes/s together.
-    assert update.policy_reference(10, 4, [disk, duplex]) == pytest.approx(6 / (1 / 1.5 + 1))
-    assert update.policy_reference(10, 4, [disk]) == pytest.approx(6 * 1.5)
-    assert update.policy_reference(10, 12, [disk]) == 0.0   # all of it in host memory
+    assert update_tiers.policy_reference(10, 4, [disk, duplex]) == pytest.approx(6 / (1 / 1.5 + 1))
+    assert update_tiers.policy_reference(10, 4, [disk]) == pytest.approx(6 * 1.5)
+    assert update_tiers.policy_reference(10, 12, [disk]) == 0.0   # all of it in host memory
 
 
 def test_zero3_baseline_computes_the_same_adamw_as_torch(disk_dir):
@@ -235,8 +247,8 @@ def test_kernel_reference_runs_every_subgroups_kernel_with_a_steady_steps_checks
     steps = [stats(9, 9), stats(9, 9), stats(2, 3), stats(2, 3), stats(2, 3)]
     args = argparse.Namespace(subgroup_params=1000, adam_threads=0)
     numel = 5500                     # six subgroups, the last one of 500
-    out = update.kernel_reference(args, numel, torch.zeros(numel, dtype=torch.bfloat16),
-                              torch.zeros(numel, dtype=torch.bfloat16), steps, passes=2)
+    out = update_rank.kernel_reference(args, numel, torch.zeros(numel, dtype=torch.bfloat16),
+                                   torch.zeros(numel, dtype=torch.bfloat16), steps, passes=2)
     assert out["seconds"] >= 0 and out["threads"] == 7
     assert (out["written"], out["fetched"]) == (2, 3)
     one_pass = [(1000, 7, True, False), (1000, 7, True, False), (1000, 7, False, False),
@@ -247,11 +259,11 @@ def test_kernel_reference_runs_every_subgroups_kernel_with_a_steady_steps_checks
 def test_medians_leave_out_the_two_warm_up_steps_when_there_are_more():
     # The first step fills the host pool; the second writes one end's second slots for the first
     # time (fresh extents). Neither recurs, so neither counts, on any side.
-    assert update.WARMUP_STEPS == 2
-    assert update._steady([9.0, 5.0, 1.0, 2.0, 3.0]) == (2.0, 1.0, 3.0)
-    assert update._steady([9.0, 5.0, 1.0]) == (1.0, 1.0, 1.0)
-    assert update._steady([9.0, 5.0]) == (5.0, 5.0, 5.0)   # too few: only the first is left out
-    assert update._steady([9.0]) == (9.0, 9.0, 9.0)
+    assert update_rank.WARMUP_STEPS == 2
+    assert update_result.steady([9.0, 5.0, 1.0, 2.0, 3.0]) == (2.0, 1.0, 3.0)
+    assert update_result.steady([9.0, 5.0, 1.0]) == (1.0, 1.0, 1.0)
+    assert update_result.steady([9.0, 5.0]) == (5.0, 5.0, 5.0)   # too few: only the first is left out
+    assert update_result.steady([9.0]) == (9.0, 9.0, 9.0)
 
 
 def test_a_replay_moves_the_bytes_asked_on_each_tier_and_reads_back_the_last_steps_writes(disk_dir, shm_dir,
@@ -319,7 +331,7 @@ def test_bench_update_sweeps_host_memory_and_reports_speedup_per_budget_when_giv
                  "--calib-bytes", "4MB", "--steps", "2", "--no-ablation", "--no-interference",
                  "--host-memory", f"{small},{large}")
     assert [row["host_memory_bytes"] for row in s["sweep"]] == [small, large]
-    assert s["sweep"][0]["speedup"] == s["speedup"]
+    assert s["sweep"][0]["speedup"] == s["speedup"]["update"]
     for row in s["sweep"]:
         assert 0 < row["mlp_host_bytes"] <= row["host_memory_bytes"] and row["speedup"] > 0
     assert (s["sweep"][0]["host_memory"]["prefetch_depth"], s["sweep"][0]["host_memory"]["flush_depth"]) == (1, 1)
@@ -329,8 +341,8 @@ def test_bench_update_sweeps_host_memory_and_reports_speedup_per_budget_when_giv
 def test_bench_update_defaults_to_the_baselines_own_memory_for_both_sides(capsys, disk_dir):
     s = run_json(capsys, "--paths", disk_dir, "--num-params", "300000", "--subgroup-params", "50000",
                  "--calib-bytes", "4MB", "--steps", "2", "--no-ablation", "--no-interference")
-    assert s["config"]["host_memory_bytes"] == s["baseline_host_bytes"]
-    assert s["mlp_host_bytes"] <= s["baseline_host_bytes"]
+    assert s["config"]["host_memory_bytes"] == s["baseline"]["host_bytes"]
+    assert s["mlp"]["host_bytes"] <= s["baseline"]["host_bytes"]
 
 
 @pytest.mark.parametrize("budget, message", [("1000", "less than the ZeRO-3-style baseline"),
@@ -358,18 +370,19 @@ def test_bench_update_refuses_plot_naming_matplotlib_when_it_is_absent(disk_dir,
 
 def test_plot_draws_the_speedup_per_budget_as_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib is an optional dependency (the [plot] extra)")
-    summary = {"config": {"num_params": 10**8, "subgroup_params": 10**7},
-               "sweep": [{"host_memory_bytes": 2e9, "speedup": 3.0}, {"host_memory_bytes": 1e9, "speedup": 2.0}]}
-    update.plot_sweep(summary, str(tmp_path / "sweep.png"))
+    result = argparse.Namespace(config={"num_params": 10**8, "subgroup_params": 10**7},
+                                sweep=[{"host_memory_bytes": 2e9, "speedup": 3.0},
+                                       {"host_memory_bytes": 1e9, "speedup": 2.0}])
+    update_report.plot_sweep(result, str(tmp_path / "sweep.png"))
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_figures_below_their_reference_are_flagged_and_others_are_not():
-    summary = {"mlp_vs_io_reference": 0.9, "mlp_vs_step_reference": 1.1, "replay_vs_io_reference": None,
-               "policy_reference_s": 2.0, "mlp_s": 1.5}
-    flags = update.faster_than_reference(summary)
+    references = {"mlp_vs_io": 0.9, "mlp_vs_step": 1.1, "policy_s": 2.0}
+    paired = {"replay_vs_io_reference": None}
+    flags = update_result.faster_than_reference(1.5, references, paired)
     assert len(flags) == 2 and "I/O reference: x0.90" in flags[0] and "policy reference: x0.75" in flags[1]
-    assert update.faster_than_reference({**summary, "mlp_vs_io_reference": 1.0, "mlp_s": 2.0}) == []
+    assert update_result.faster_than_reference(2.0, {**references, "mlp_vs_io": 1.0}, paired) == []
 
 
 def test_vs_deepspeed_says_why_it_did_not_measure_when_deepspeed_is_absent(capsys, disk_dir, monkeypatch):
@@ -392,8 +405,8 @@ def test_vs_deepspeed_runs_deepspeeds_own_update_on_the_same_subgroups(capfd, di
     ds = s["deepspeed"]
     assert "unavailable" not in ds, ds
     assert ds["seconds"] > 0 and len(ds["steps_s"]) == 3 and ds["host_bytes"] > 0
-    assert ds["baseline_vs_deepspeed"] == pytest.approx(s["baseline_s"] / ds["seconds"])
-    assert ds["speedup_vs_deepspeed"] == pytest.approx(ds["seconds"] / s["mlp_s"])
+    assert ds["baseline_vs_deepspeed"] == pytest.approx(s["baseline"]["seconds"] / ds["seconds"])
+    assert ds["speedup_vs_deepspeed"] == pytest.approx(ds["seconds"] / s["mlp"]["seconds"])
 
 
 def test_deepspeeds_own_update_computes_adamw_over_every_subgroup(disk_dir):

@@ -1,12 +1,21 @@
-"""The ``--io-block-size`` / ``--io-queue-depth`` flags of the benches that drive the engine.
+"""What the node benchmarks (``bench io``, ``bench adam``, ``bench update``) share.
 
-Every engine of one bench run gets the same geometry (bandwidth passes, the baseline, MLP-Offload),
-by default the optimizer's own (``--mlp-offload-io-block-size`` / ``-queue-depth``), so that a
-bound or a ratio never mixes a tier measured one way with a tier driven another.
+* The ``--io-block-size`` / ``--io-queue-depth`` flags of the benches that drive the engine. Every
+  engine of one bench run gets the same geometry (bandwidth passes, the baseline, MLP-Offload), by
+  default the optimizer's own (``--mlp-offload-io-block-size`` / ``-queue-depth``), so that a
+  bound or a ratio never mixes a tier measured one way with a tier driven another.
+* ``stdout_to_stderr``: keeps a benchmark's stdout for its one JSON object while an optional peer
+  (DeepSpeed) logs. DeepSpeed logs on stdout, from Python and from its C++ ops, at import, at op
+  build and at first use; both levels are sent to stderr for the duration.
+* ``timed``: the wall time of one call.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import sys
+import time
 
 from megatron_mlp.engine.defaults import DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEUE_DEPTH
 from megatron_mlp.errors import ConfigError
@@ -35,3 +44,24 @@ def io_geometry(args) -> tuple[int, int]:
     if not 1 <= args.io_queue_depth <= 4096:
         raise ConfigError(f"--io-queue-depth: {args.io_queue_depth} must be in [1, 4096]")
     return block, args.io_queue_depth
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def timed(fn) -> float:
+    """Seconds one call of ``fn()`` takes."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0

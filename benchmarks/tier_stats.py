@@ -1,4 +1,4 @@
-"""Per-tier I/O statistics for the optimizer's timers and the benchmarks."""
+"""Per-tier I/O statistics: bytes moved, busy time and token waits (benchmarks/contention.py)."""
 from __future__ import annotations
 
 import threading

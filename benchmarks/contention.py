@@ -1,4 +1,4 @@
-"""``megatron-mlp bench contention``: processes sharing one tier, with and without tier tokens.
+"""``python benchmarks/contention.py``: processes sharing one tier, with and without tier tokens.
 
 ``--procs`` processes (the ranks of a node) each write ``--bytes-per-proc`` to their own file on
 ``--path`` and then read it back, in subgroup-sized chunks (``--chunk-bytes``), all starting
@@ -31,7 +31,7 @@ def _proc(directory: str, nbytes: int, chunk: int, use_tokens: bool, runtime_dir
           block_bytes: int, queue_depth: int, slots: int, barrier) -> dict:
     """One worker: write then read ``nbytes`` in ``chunk`` requests, each under the token if used."""
     from megatron_mlp.engine import Engine
-    from megatron_mlp.tier.stats import TierStats
+    from tier_stats import TierStats
     from megatron_mlp.tier.tokens import TierToken
 
     path = os.path.join(directory, f".mlp-contention-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -102,7 +102,7 @@ def run_once(directory: str, procs: int, nbytes: int, chunk: int, use_tokens: bo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-mlp bench contention", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python benchmarks/contention.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--procs", type=int, default=4, help="processes sharing the tier (default 4)")
     p.add_argument("--path", default="/var/tmp", help="a directory on the tier (default /var/tmp)")
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.isdir(args.path):
             raise ConfigError(f"--path: {args.path} is not a directory")
     except ConfigError as e:
-        print(f"megatron-mlp bench contention: error: {e}", file=sys.stderr)
+        print(f"benchmarks/contention.py: error: {e}", file=sys.stderr)
         return 2
     chunk = min(chunk, nbytes)
     directory = tempfile.mkdtemp(prefix="mlp-contention-", dir=args.path)

@@ -1,4 +1,4 @@
-"""`megatron-mlp bench faults`: the fault campaign -- inject, detect, recover, and prove nothing was lost.
+"""`python benchmarks/faults.py`: the fault campaign -- inject, detect, recover, and prove nothing was lost.
 
 For each fault kind, N faults are injected at random steps of an M-step run of OffloadAdam over
 two tiers (a disk directory and tmpfs), and the final optimizer state is compared bit for bit with
@@ -39,11 +39,11 @@ import tempfile
 import time
 
 KINDS = ("eio", "enospc", "short_write", "corrupt", "tier_vanish", "timeout", "sigkill")
-_PKG_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-mlp bench faults", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/faults.py", description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per run (M)")
     p.add_argument("--faults-per-kind", type=int, default=2, help="faults injected per kind (N)")
     p.add_argument("--num-params", type=int, default=2_000_000, help="parameters of the shard")
@@ -289,7 +289,7 @@ def sigkill_campaign(paths, spec, rng, work):
     import torch
     spec = dict(spec, paths=paths, ckpt=os.path.join(work, "ckpt-sigkill.pt"), final=os.path.join(work, "final.pt"))
     env = {**os.environ, "PYTHONPATH": _PKG_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "megatron_mlp.bench.faults", "--child", json.dumps(spec)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
     kill_steps = sorted(rng.sample(range(1, spec["steps"]), min(spec["faults"], spec["steps"] - 1)))
     out = {"injected": 0, "detected": 0, "recovered": 0, "recovered_by": {}, "notes": []}
     pending_kill = False

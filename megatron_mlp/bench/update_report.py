@@ -1,0 +1,117 @@
+"""``bench update``'s report: the text it prints and the sweep's picture, from an ``UpdateResult``."""
+from __future__ import annotations
+
+from megatron_mlp.bench.update_result import UpdateResult
+
+GB = 1e9
+
+
+def _header(c: dict) -> str:
+    return (f"bench update: {c['num_params']:,} params, subgroups of {c['subgroup_params']:,}, "
+            f"host memory per rank {c['host_memory_bytes'] / GB:.2f} GB for each side, "
+            f"{c['ranks']} rank(s), grads {c['grad_dtype']}, "
+            f"I/O tasks of {c['io_block_bytes'] / 2**20:g} MiB x{c['io_queue_depth']} "
+            "in flight (every engine), Adam kernel on "
+            + (f"{c['adam_threads']} thread(s)" if c.get('adam_threads') else "every core, one fewer beside I/O")
+            + " (both sides)")
+
+
+def _tier_lines(t: dict) -> list[str]:
+    after = t.get("after")
+    lines = [f"  tier {t['path']} ({t['label']}{', qos cap' if t['emulated'] else ''}): "
+             f"read {t['read_bytes_per_s'] / GB:.2f} GB/s, write {t['write_bytes_per_s'] / GB:.2f} GB/s, "
+             f"both at once {t['concurrent_bytes_per_s'] / GB:.2f} GB/s "
+             f"({'shared' if t['shared_rw_limit'] else 'separate'} limit)"
+             + (f"; after the steps read {after['read_bytes_per_s'] / GB:.2f}, write "
+                f"{after['write_bytes_per_s'] / GB:.2f}, both {after['concurrent_bytes_per_s'] / GB:.2f} GB/s"
+                if after else "")
+             + f"; MLP moved {t['mlp_bytes_read_per_step'] / GB:.2f} GB read + "
+             f"{t['mlp_bytes_written_per_step'] / GB:.2f} GB written per step -> reference "
+             f"{t['io_reference_s']:.2f} s"]
+    if t.get("alongside_adam"):
+        a = t["alongside_adam"]
+        lines.append(f"    alongside the Adam kernel on one core it reads at {a['read_vs_idle']:.2f}x and writes "
+                     f"at {a['write_vs_idle']:.2f}x its idle rate; the reference assumes idle cores")
+    return lines
+
+
+def _deepspeed_line(ds: dict) -> str:
+    if "unavailable" in ds:
+        return f"DeepSpeed's own update (--vs-deepspeed): not measured ({ds['unavailable']})"
+    return (f"DeepSpeed's own update (its aio handle + DeepSpeedCPUAdam, same subgroups and path): "
+            f"{ds['seconds']:.2f} s (min {ds['min_s']:.2f}, max {ds['max_s']:.2f}); the baseline takes "
+            f"x{ds['baseline_vs_deepspeed']:.2f} its time; host memory {ds['host_bytes'] / GB:.2f} GB; "
+            f"MLP-Offload is {ds['speedup_vs_deepspeed']:.2f}x faster than it")
+
+
+def format_text(r: UpdateResult) -> str:
+    """What ``bench update`` prints without ``--json``."""
+    c, base, mlp, ref, p, sp = r.config, r.baseline, r.mlp, r.references, r.paired, r.speedup
+    lines = [_header(c)]
+    for t in r.tiers:
+        lines += _tier_lines(t)
+    lines.append(f"ZeRO-3-style baseline: update {base['seconds']:.2f} s "
+                 f"(+ {base['backward_grad_write_s']:.2f} s writing fp32 grads in backward)")
+    if r.deepspeed is not None:
+        lines.append(_deepspeed_line(r.deepspeed))
+    for a in r.ablation:
+        lines.append(f"  {a['name']:<42} {a['seconds']:7.2f} s  ({a['speedup']:.2f}x)")
+    if mlp["no_checksum_s"] is not None:
+        lines.append(f"  (MLP-Offload without checksums: {mlp['no_checksum_s']:.2f} s; crc32c threads "
+                     f"busy {mlp['checksum_thread_s']:.2f} s per step, overlapped with I/O)")
+    m = mlp["host_memory"]
+    lines.append(f"host memory per rank (limit {c['host_memory_bytes'] / GB:.2f} GB): baseline "
+                 f"{base['host_bytes'] / GB:.2f} GB (double buffers), MLP-Offload "
+                 f"{mlp['host_bytes'] / GB:.2f} GB measured ({m['working_buffers']} working buffers, prefetch "
+                 f"{m['prefetch_depth']} / flush {m['flush_depth']}, + {m['cache_buffers']} cache buffers); gradients "
+                 f"and params out, the device's side in training, counted on neither side")
+    lines.append(f"MLP-Offload: {mlp['seconds']:.2f} s -> {sp['update']:.2f}x the baseline at that memory; "
+                 f"alternating step by step with it: {p['baseline_s']:.2f} s against "
+                 f"{p['mlp_beside_baseline_s']:.2f} s -> {sp['paired']:.2f}x")
+    if len(r.sweep) > 1:
+        lines.append("speed-up per host-memory budget (MLP-Offload's measured host bytes):")
+        for row in r.sweep:
+            lines.append(f"  {row['host_memory_bytes'] / GB:7.2f} GB  {row['mlp_s']:7.2f} s  {row['speedup']:.2f}x  "
+                         f"({row['mlp_host_bytes'] / GB:.2f} GB used, {row['host_memory']['cache_buffers']} cache "
+                         f"buffers)")
+    lines.append(f"references (yardsticks from the bandwidth passes, not bounds): I/O {ref['io_s']:.2f} s "
+                 f"(MLP-Offload x{ref['mlp_vs_io']:.2f}); placement model predicted {ref['predicted_s']:.2f} s")
+    lines.append(f"the step's kernels alone on {ref['kernel_threads'] or 'every'} thread(s), no I/O: "
+                 f"{ref['kernel_s']:.2f} s; step reference, the larger of that and the I/O reference: "
+                 f"{ref['step_s']:.2f} s (x{ref['mlp_vs_step']:.2f})")
+    if p["replay_s"] is not None:
+        err = p["pipeline_overhead_stderr_s"]
+        lines.append(f"the same bytes moved by the engine alone (no kernel, no pipeline), after each of "
+                     f"{len(p['replay_steps_s'])} more steps: {p['replay_s']:.2f} s = "
+                     f"x{p['replay_vs_io_reference']:.2f} the I/O reference, MLP-Offload's steps beside them "
+                     f"{p['mlp_s']:.2f} s (x{p['mlp_vs_replay']:.2f}); the pipeline costs "
+                     f"{p['pipeline_overhead_s']:+.3f} s a step" + (f" (standard error {err:.3f})" if err else ""))
+    if sp["reference"] is not None:
+        lines.append(f"policy reference: a fluid schedule under this byte policy on these bandwidths takes "
+                     f"{ref['policy_s']:.2f} s ({sp['reference']:.2f}x the baseline)")
+    for flag in r.faster_than_reference:
+        lines.append(f"FASTER THAN ITS REFERENCE: {flag} (the device ran faster than its bandwidth passes)")
+    if r.emulated_paths:
+        lines.append(f"note: {', '.join(r.emulated_paths)} emulated (engine bandwidth cap), not a real tier")
+    return "\n".join(lines)
+
+
+def plot_sweep(r: UpdateResult, path: str) -> None:
+    """The speed-up per host-memory budget as a PNG: how much host memory buys how much."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(r.sweep, key=lambda row: row["host_memory_bytes"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([row["host_memory_bytes"] / 1e9 for row in rows], [row["speedup"] for row in rows], marker="o")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("host memory per rank, GB (both sides within it)")
+    ax.set_ylabel("update speed-up over the ZeRO-3 policy")
+    c = r.config
+    ax.set_title(f"bench update: {c['num_params'] / 1e6:g}M params, subgroups of {c['subgroup_params'] / 1e6:g}M",
+                 fontsize=10)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
