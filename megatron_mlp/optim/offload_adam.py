@@ -11,26 +11,8 @@ buffers during ``step()``:
         hand the updated low-precision params out                (on_subgroup_done(start, end))
         flush the region back unless it stays cached             (tier lane, async, token held)
 
-Fetches run ``prefetch_depth`` subgroups ahead and flushes complete lazily, so the I/O of every
-tier overlaps the kernel; the compute thread always takes the earliest subgroup of the order that
-is ready, so a tier whose token is held by another rank delays only its own subgroups.
-
-Working buffers as cache (``warm_buffers``, with the alternating order): at the end of a step the
-pool's working buffers keep the subgroups updated last, *not written back*, as the host cache does.
-The next step, running the other way, updates them first without reading them, and writes one back
-only when a fetch needs its buffer. So the whole pool (cache and working buffers) carries subgroups
-from one step to the next, and a step reads and writes only the subgroups that do not fit in it:
-with 8 subgroups and a pool of 6, two reads and two writes per step, where writing back every
-subgroup outside the cache took seven writes. Each update is written back at most once, and nothing
-is lost: a subgroup held this way is written (to its free slot) before its buffer is reused, and
-stays in host memory if that write fails.
-
-The two ends of a step stream in pieces (``Subgroup.pieces``): with the pool full at the start,
-no read can begin before a write-back frees a buffer, so the first subgroup to be written back
-leaves piece by piece right behind its kernel (``TierStore.flush_streamed``); and the last
-subgroup to be read is updated piece by piece as its pieces land (``TierStore.fetch_streamed``),
-its read check joined from the pieces'. The storage then works from the step's first
-milliseconds to its last instead of waiting for a whole kernel at each end.
+How a step runs: ``step_pipeline.py``; what stays in host memory between steps: ``residency.py``;
+the tiers: ``tier_stores.py`` and ``store.py``; reads and writes between steps: ``state_access.py``.
 
 Framework-agnostic: plain CPU torch tensors in, nothing Megatron-specific (see megatron/ for that).
 """
@@ -133,7 +115,7 @@ class OffloadAdam:
         self.residency = Residency(self.host_memory, self.stores[0].engine.alloc if self.stores else bytearray,
                                    uses_warm_buffers=warm_subgroups(config, self.host_memory) > 0)
         self.access = StateAccess(self.plan, self.residency, self.tiers)
-        # Pieces a subgroup streams in at a step's end and out at its start (module doc).
+        # Pieces a subgroup streams in at a step's end and out at its start (step_pipeline.py).
         piece_params = piece_params_for(config.subgroup_params, config.block_bytes)
         self.pieces = {sg.index: sg.pieces(piece_params) for sg in self.plan}
         self.kernel = AdamKernel(config.deferred_upcast, self.plan.subgroup_params)
@@ -293,18 +275,10 @@ class OffloadAdam:
         stats.step_s = time.perf_counter() - t_step
         stats.peak_host_bytes = self.peak_host_bytes   # the pool's peak + staging: the whole budget
         self.last_step_stats = stats.as_dict()
-        failing = {}
-        for f in failed_flushes:
-            failing.setdefault(id(f.store), (f.store, f"flush of subgroup {f.sg.index} failed: {f.error}"))
-        for store in self.stores:
-            # A scratch file deleted from its path (a tmp cleaner) is still reachable through the open
-            # descriptors: this step ran normally; move its subgroups off before anything is closed.
-            reason = None if store.failed or id(store) in failing else store.unreachable_reason()
-            if reason is not None:
-                failing[id(store)] = (store, reason)
+        failing = self.tiers.failing(failed_flushes)
         if failing:
             try:
-                take_out_of_service(self.residency, self.tiers, self.plan, self.failover, list(failing.values()))
+                take_out_of_service(self.residency, self.tiers, self.plan, self.failover, failing)
             except TierFailure as e:
                 self._halted = e
                 e.step_completed = True   # every subgroup was updated and handed out (params_out)

@@ -3,8 +3,18 @@
 ``Residency`` alone owns the pool of host buffers (cache + working buffers, the hard limit of
 ``--mlp-offload-host-memory`` less staging and upcast) and the subgroups whose newest state sits
 in one of them: those the host cache keeps from one step to the next, those the working buffers
-carry beyond it (``warm_buffers``, see offload_adam's module doc), those a failed write-back left
-there (the only copy of their state) and those a failover pinned there for good.
+carry beyond it (``warm_buffers``), those a failed write-back left there (the only copy of their
+state) and those a failover pinned there for good.
+
+Working buffers as cache (``warm_buffers``, with the alternating order): at the end of a step the
+pool's working buffers keep the subgroups updated last, *not written back*, as the host cache does.
+The next step, running the other way, updates them first without reading them, and writes one back
+only when a fetch needs its buffer. So the whole pool (cache and working buffers) carries subgroups
+from one step to the next, and a step reads and writes only the subgroups that do not fit in it:
+with 8 subgroups and a pool of 6, two reads and two writes per step, where writing back every
+subgroup outside the cache took seven writes. Each update is written back at most once, and nothing
+is lost: a subgroup held this way is written (to its free slot) before its buffer is reused, and
+stays in host memory if that write fails.
 """
 from __future__ import annotations
 

@@ -4,6 +4,13 @@ Fetches run ``prefetch_depth`` subgroups ahead and flushes complete lazily, so t
 tier overlaps the kernel; the compute thread takes the earliest subgroup of the order that is
 ready, so a tier whose token is held by another rank delays only its own subgroups. The work in
 flight is named records: a ``Fetch`` per subgroup being read, a ``Flush`` per write-back.
+
+The two ends of a step stream in pieces (``Subgroup.pieces``): with the pool full at the start,
+no read can begin before a write-back frees a buffer, so the first subgroup to be written back
+leaves piece by piece right behind its kernel (``TierStore.flush_streamed``); and the last
+subgroup to be read is updated piece by piece as its pieces land (``TierStore.fetch_streamed``),
+its read check joined from the pieces'. The storage then works from the step's first
+milliseconds to its last instead of waiting for a whole kernel at each end.
 """
 from __future__ import annotations
 

@@ -51,6 +51,20 @@ class TierStores:
     def holds_any(self, store: TierStore) -> bool:
         return any(t == store.index for t in self.tier_of)
 
+    def failing(self, failed_flushes) -> list[tuple[TierStore, str]]:
+        """``(store, reason)`` of each tier to take out of service after a step: one whose write-back
+        failed (``failed_flushes``: the pipeline's ``Flush`` records), or whose scratch file is gone."""
+        failing = {}
+        for f in failed_flushes:
+            failing.setdefault(id(f.store), (f.store, f"flush of subgroup {f.sg.index} failed: {f.error}"))
+        for store in self.stores:
+            # A scratch file deleted from its path (a tmp cleaner) is still reachable through the open
+            # descriptors: this step ran normally; move its subgroups off before anything is closed.
+            reason = None if store.failed or id(store) in failing else store.unreachable_reason()
+            if reason is not None:
+                failing[id(store)] = (store, reason)
+        return list(failing.values())
+
     def retire(self, store: TierStore) -> None:
         """Close a failed tier in the background: a hung device must not hold up training
         (``close`` waits for it, at most one I/O timeout)."""
