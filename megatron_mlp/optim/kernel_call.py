@@ -7,6 +7,7 @@ memory once more, beside the kernel.
 """
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import torch
 
 from megatron_mlp.optim.subgroups import Subgroup
 
+logger = logging.getLogger("megatron_mlp.optim.offload_adam")
 
 @dataclass
 class StepInputs:
@@ -73,15 +75,24 @@ class AdamKernel:
     """Runs ``fused_adam_step`` over a subgroup's p|m|v and adds its time to the step's stats.
 
     Args:
-        deferred_upcast: read the low-precision gradient in the kernel (else copy it to fp32 first,
-            the ablation of stock offloading).
+        config: the ``MLPOffloadConfig`` (``deferred_upcast``: read the low-precision gradient in
+            the kernel, else copy it to fp32 first, the ablation of stock offloading;
+            ``adam_threads``).
         subgroup_params: elements of the largest subgroup (sizes the upcast buffer).
+        ranks_per_node, rank: the node's ranks share its cores; this one's rank (for the log).
     """
 
-    def __init__(self, deferred_upcast: bool, subgroup_params: int):
-        self.deferred_upcast = deferred_upcast
+    def __init__(self, config, subgroup_params: int, ranks_per_node: int = 1, rank: int = 0):
+        from megatron_mlp.optim.fused_adam import kernel_threads_for_rank, num_kernel_threads
+        self.deferred_upcast = config.deferred_upcast
         self.subgroup_params = subgroup_params
         self.upcast_buffer = None
+        # The kernel's share of this node's cores (ranks of a node would oversubscribe them).
+        self.share = kernel_threads_for_rank(ranks_per_node)   # 0: the whole pool
+        self.num_threads = config.adam_threads or self.share or num_kernel_threads()
+        logger.info("MLP-Offload rank %d: fused Adam on %d threads (%s)", rank, self.num_threads,
+                    "--mlp-offload-adam-threads" if config.adam_threads else
+                    f"this process's CPU affinity shared by {ranks_per_node} rank(s) of the node")
 
     def update(self, job: KernelJob, inputs: StepInputs, stats) -> KernelResult:
         """The fused AdamW step on ``job.sg`` in ``job.buf``.
@@ -168,3 +179,10 @@ def state_views(sg: Subgroup, buf) -> dict[str, torch.Tensor]:
     f = buf.torch(torch.float32)
     n, pn = sg.numel, sg.padded_numel
     return {"param": f[0:n], "exp_avg": f[pn:pn + n], "exp_avg_sq": f[2 * pn:2 * pn + n]}
+
+
+def hyper_params(group: dict, step: int) -> dict:
+    """The kernel's hyper-parameters from a param group (its ``betas`` split) and the group's step."""
+    beta1, beta2 = group["betas"]
+    return {"lr": float(group["lr"]), "weight_decay": float(group["weight_decay"]),
+            "beta1": float(beta1), "beta2": float(beta2), "eps": float(group["eps"]), "step": int(step)}

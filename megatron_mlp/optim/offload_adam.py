@@ -26,7 +26,7 @@ import torch
 
 from megatron_mlp.errors import ConfigError, PartialStepError, TierFailure
 from megatron_mlp.optim.failover import FailoverStats, take_out_of_service
-from megatron_mlp.optim.kernel_call import AdamKernel, StepInputs
+from megatron_mlp.optim.kernel_call import AdamKernel, StepInputs, hyper_params
 from megatron_mlp.optim.placement import assign_subgroups, host_memory_for, placement_tiers, warm_subgroups
 from megatron_mlp.optim.residency import Residency
 from megatron_mlp.optim.schedule import iteration_order
@@ -78,15 +78,7 @@ class OffloadAdam:
         # buffers and the cache; refused here, before anything is created, when it cannot fit.
         self.host_memory = host_memory_for(self.plan, config, int(staging_bytes))
         logger.info("MLP-Offload rank %d: %s", rank, self.host_memory.describe())
-        if len(param_groups) != len(self.plan.group_ranges):
-            raise ConfigError(f"param_groups: {len(param_groups)} groups given for "
-                              f"{len(self.plan.group_ranges)} group ranges")
-        for i, group in enumerate(param_groups):
-            if "lr" not in group:
-                raise ConfigError(f"param_groups[{i}]: 'lr' is required")
-            for key, value in _DEFAULTS.items():
-                group.setdefault(key, value)
-        self.param_groups = param_groups
+        self.param_groups = _with_defaults(param_groups, len(self.plan.group_ranges))
         # Megatron-style per-group state; 'step' drives the bias correction.
         self.state = {g: {"step": 0} for g in range(len(param_groups))}
         self.numel = self.plan.numel
@@ -118,14 +110,8 @@ class OffloadAdam:
         # Pieces a subgroup streams in at a step's end and out at its start (step_pipeline.py).
         piece_params = piece_params_for(config.subgroup_params, config.block_bytes)
         self.pieces = {sg.index: sg.pieces(piece_params) for sg in self.plan}
-        self.kernel = AdamKernel(config.deferred_upcast, self.plan.subgroup_params)
-        # The kernel's share of this node's cores (ranks of a node would oversubscribe them).
-        from megatron_mlp.optim.fused_adam import kernel_threads_for_rank, num_kernel_threads
-        self.kernel_share = kernel_threads_for_rank(ranks_per_node)   # 0: the whole pool
-        self.kernel_threads = config.adam_threads or self.kernel_share or num_kernel_threads()
-        logger.info("MLP-Offload rank %d: fused Adam on %d threads (%s)", rank, self.kernel_threads,
-                    "--mlp-offload-adam-threads" if config.adam_threads else
-                    f"this process's CPU affinity shared by {ranks_per_node} rank(s) of the node")
+        self.kernel = AdamKernel(config, self.plan.subgroup_params, ranks_per_node, rank)
+        self.kernel_threads = self.kernel.num_threads
         self.access.write_initial(initial_params, self.numel)
 
     @property
@@ -147,16 +133,8 @@ class OffloadAdam:
         return self.residency.cache_slots
 
     @property
-    def working_buffers(self) -> int:
-        return self.residency.working_buffers
-
-    @property
     def keep_slots(self) -> int:
         return self.residency.keep_slots
-
-    @property
-    def uses_warm_buffers(self) -> bool:
-        return self.residency.uses_warm_buffers
 
     # ------------------------------------------------------------------ public API
 
@@ -254,7 +232,7 @@ class OffloadAdam:
         stats.order = "ascending" if len(order) < 2 or order[0] < order[-1] else "descending"
         self._iteration += 1
         keep, carried = self.residency.plan_step(order)
-        hyper = [self._hyper(g) for g in range(len(self.param_groups))]
+        hyper = [hyper_params(group, self.state[g]["step"]) for g, group in enumerate(self.param_groups)]
         inputs = StepInputs(grads, params_out, hyper, inv_loss_scale, clip_coef, on_subgroup_done, grads_ready,
                             self.trace)
         step_no = hyper[0]["step"] if hyper else self._iteration
@@ -392,13 +370,6 @@ class OffloadAdam:
     def __exit__(self, *exc):
         self.close()
 
-    def _hyper(self, g: int) -> dict:
-        group = self.param_groups[g]
-        beta1, beta2 = group["betas"]
-        return {"lr": float(group["lr"]), "weight_decay": float(group["weight_decay"]),
-                "beta1": float(beta1), "beta2": float(beta2), "eps": float(group["eps"]),
-                "step": int(self.state[g]["step"])}
-
     def _check_grads(self, grads) -> None:
         if not isinstance(grads, torch.Tensor) or grads.dtype not in GRAD_DTYPES or grads.device.type != "cpu" \
                 or grads.numel() != self.numel or not grads.is_contiguous():
@@ -410,3 +381,15 @@ class OffloadAdam:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("OffloadAdam is closed")
+
+
+def _with_defaults(param_groups: list, num_ranges: int) -> list:
+    """``param_groups`` (the caller's dicts, kept by identity) with the AdamW defaults filled in."""
+    if len(param_groups) != num_ranges:
+        raise ConfigError(f"param_groups: {len(param_groups)} groups given for {num_ranges} group ranges")
+    for i, group in enumerate(param_groups):
+        if "lr" not in group:
+            raise ConfigError(f"param_groups[{i}]: 'lr' is required")
+        for key, value in _DEFAULTS.items():
+            group.setdefault(key, value)
+    return param_groups

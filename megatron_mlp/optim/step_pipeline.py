@@ -61,7 +61,6 @@ class StepPipeline:
         self.plan, self.residency, self.tiers, self.kernel = opt.plan, opt.residency, opt.tiers, opt.kernel
         self.pieces, self.trace, self.flush_errors = opt.pieces, opt.trace, opt.flush_errors
         self.config, self.host_memory, self.placement_tiers = opt.config, opt.host_memory, opt.placement_tiers
-        self.kernel_share = opt.kernel_share
         self.keep, self.carried, self.inputs, self.stats = keep, carried, inputs, stats
         self.remaining = list(order)
         self.fetching: dict[int, Fetch] = {}
@@ -222,7 +221,7 @@ class StepPipeline:
     def _kernel_threads(self) -> int:
         # While a tier moves data the kernel leaves a core to the I/O path (threads_beside_io).
         from megatron_mlp.optim.fused_adam import threads_beside_io
-        return threads_beside_io(self._io_busy(), self.config.adam_threads, share=self.kernel_share)
+        return threads_beside_io(self._io_busy(), self.config.adam_threads, share=self.kernel.share)
 
     def _drop_fetch_buffer(self, fetch: Fetch, error) -> None:
         """Give back the buffer of a fetch that failed, once no request of it can still fill it."""
