@@ -141,7 +141,7 @@ class OffloadAdam:
     @property
     def host_budget_bytes(self) -> int:
         """The hard limit of the pool: cache + working buffers (the budget less staging and upcast)."""
-        return self.pool.limit_bytes
+        return self.residency.limit_bytes
 
     def attach_trace(self, trace) -> None:
         """Record spans of the steps in ``trace``'s window (a ``StepTrace``; None detaches): the tiers'

@@ -55,6 +55,11 @@ class Residency:
         return index in self.buffers
 
     @property
+    def limit_bytes(self) -> int:
+        """The pool's hard limit: cache + working buffers."""
+        return self.pool.limit_bytes
+
+    @property
     def peak_bytes(self) -> int:
         """The pool's peak allocation plus the staging and upcast counted in the budget."""
         return self.pool.peak_bytes + self.host_memory.staging_bytes + self.host_memory.upcast_bytes

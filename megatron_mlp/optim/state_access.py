@@ -58,14 +58,13 @@ class StateAccess:
                                   f"{tuple(t.shape) if isinstance(t, torch.Tensor) else ''}")
             flat = t.reshape(-1)
             initial_params = lambda a, b: flat[a:b]  # noqa: E731
-        pool = self.residency.pool
         pending: dict = {}
         try:
             for sg in self.plan:
-                buf = pool.try_acquire()
+                buf = self.residency.acquire()
                 while buf is None:
                     self._reap_initial(pending, block=True)
-                    buf = pool.try_acquire()
+                    buf = self.residency.acquire()
                 views = state_views(sg, buf)
                 buf.torch(torch.uint8)[: sg.region_bytes].zero_()
                 if initial_params is not None:
