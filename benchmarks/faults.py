@@ -183,7 +183,7 @@ class _Campaign:
         elif kind == "corrupt":
             # A subgroup the next step reads from storage: not in host memory (the cache or the
             # working buffers).
-            held = set(opt._resident)
+            held = set(opt.residency.buffers)
             cands = [(i, s) for s in healthy for i, t in enumerate(opt.tier_of) if t == s.index and i not in held]
             if not cands:
                 from megatron_mlp.errors import ConfigError

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import threading
 from dataclasses import dataclass, field
 
 from megatron_mlp.errors import IntegrityError, TierFailure, TierIOError
@@ -48,12 +47,22 @@ class FailoverStats:
                 "events": list(self.events)}
 
 
-def take_out_of_service(opt, stores_and_reasons) -> None:
+@dataclass
+class FailoverReport:
+    """What one ``take_out_of_service`` did (its tiers, cumulative figures stay in ``FailoverStats``)."""
+
+    failed_paths: list = field(default_factory=list)
+    subgroups_moved: int = 0
+    subgroups_in_host: int = 0
+
+
+def take_out_of_service(residency, tiers, plan, stats: FailoverStats, stores_and_reasons) -> FailoverReport:
     """Fail over every given ``(store, reason)``; raise TierFailure when state could not be placed.
 
-    Called between steps (no I/O in flight). Mutates ``opt.tier_of``, ``opt._resident``,
-    ``opt._pinned`` and the stores' records.
+    Called between steps (no I/O in flight). Moves subgroups through ``tiers`` (a ``TierStores``)
+    and host buffers through ``residency``; adds to ``stats``.
     """
+    report = FailoverReport()
     queue = list(stores_and_reasons)
     held_over_budget: list[int] = []
     unreadable: list[int] = []
@@ -62,80 +71,75 @@ def take_out_of_service(opt, stores_and_reasons) -> None:
         if store.failed:
             continue
         store.failed = reason
-        opt.failover.failed_tiers.append({"path": store.path, "reason": reason})
+        stats.failed_tiers.append({"path": store.path, "reason": reason})
+        report.failed_paths.append(store.path)
         moved = in_host = 0
-        subgroups = [opt.plan[i] for i, t in enumerate(opt.tier_of) if t == store.index and i not in opt._pinned]
+        subgroups = [plan[i] for i, t in enumerate(tiers.tier_of) if t == store.index and i not in residency.pinned]
         for sg in subgroups:
-            buf, owned = _newest_copy(opt, store, sg)
+            buf, owned = _newest_copy(residency, store, sg)
             if buf is None:
                 unreadable.append(sg.index)
                 continue
-            target = _place(opt, sg, buf, queue)
+            target = _place(tiers, sg, buf, queue)
             if target is not None:
-                opt.tier_of[sg.index] = target.index
+                tiers.move(sg.index, target)
                 moved += 1
-                opt.failover.bytes_moved += sg.region_bytes
-                if owned:
-                    opt.pool.release(buf)
-                elif sg.index not in opt._cache_keep:
-                    # A failed flush's retained buffer: its state is safe on the new tier now.
-                    opt._resident.pop(sg.index, None)
-                    opt.pool.release(buf)
+                stats.bytes_moved += sg.region_bytes
+                residency.stored_elsewhere(sg.index, buf, owned)
                 continue
             # No healthy tier can take it: host memory, within the cache budget if possible.
-            opt._resident[sg.index] = buf
-            opt._pinned.add(sg.index)
             in_host += 1
-            if len(opt._pinned) > opt.cache_slots:
+            if not residency.pin(sg.index, buf):
                 held_over_budget.append(sg.index)
-        opt.failover.subgroups_moved += moved
-        opt.failover.subgroups_in_host += in_host
+        stats.subgroups_moved += moved
+        stats.subgroups_in_host += in_host
+        report.subgroups_moved += moved
+        report.subgroups_in_host += in_host
         msg = (f"tier {store.path} taken out of service ({reason}); {moved} subgroups moved to other tiers, "
                f"{in_host} kept in host memory")
-        opt.failover.events.append(msg)
+        stats.events.append(msg)
         logger.warning("MLP-Offload failover: %s", msg)
-        if not any(t == store.index for t in opt.tier_of):
-            opt._retiring.append(_retire(store))   # everything moved; kept otherwise (its good slots are a fallback)
+        if not tiers.holds_any(store):
+            tiers.retire(store)   # everything moved; kept otherwise (its good slots are a fallback)
     if held_over_budget or unreadable:
-        failed = ", ".join(t["path"] for t in opt.failover.failed_tiers)
+        failed = ", ".join(t["path"] for t in stats.failed_tiers)
         parts = []
         if held_over_budget:
-            parts.append(f"subgroups {sorted(opt._pinned)} are held in host memory beyond the cache the host budget "
-                         f"leaves (--mlp-offload-host-memory): save a checkpoint now (read_range/state_dict still serve "
-                         f"them) and restart with healthy --mlp-offload-paths")
+            parts.append(f"subgroups {sorted(residency.pinned)} are held in host memory beyond the cache the host "
+                         f"budget leaves (--mlp-offload-host-memory): save a checkpoint now (read_range/state_dict "
+                         f"still serve them) and restart with healthy --mlp-offload-paths")
         if unreadable:
             parts.append(f"subgroups {sorted(unreadable)} could not be read back from the failed tier and are not "
                          f"in host memory: restore them from the last checkpoint")
-        exc = TierFailure(errno.EIO, f"no healthy tier can take the optimizer state (failed: {failed}); "
-                          + "; ".join(parts), held_in_host=sorted(opt._pinned), unreadable=sorted(unreadable))
-        opt._halted = exc
-        raise exc
+        raise TierFailure(errno.EIO, f"no healthy tier can take the optimizer state (failed: {failed}); "
+                          + "; ".join(parts), held_in_host=sorted(residency.pinned), unreadable=sorted(unreadable))
+    return report
 
 
-def _newest_copy(opt, store, sg):
+def _newest_copy(residency, store, sg):
     """(buffer, owned): the host buffer holding sg's newest state; owned = acquired here for a read."""
-    if sg.index in opt._resident:
-        return opt._resident[sg.index], False
+    if sg.index in residency:
+        return residency.buffers[sg.index], False
     rec = store.records.get(sg.index)
     if rec is None or rec.current is None:
         return None, False
-    buf = opt.pool.try_acquire() or opt.pool.try_acquire(force=True)
+    buf = residency.acquire() or residency.acquire(force=True)
     try:
         store.read_now(sg, buf)
     except (TierIOError, IntegrityError, OSError) as e:
         logger.error("MLP-Offload failover: subgroup %d cannot be read back from failed tier %s: %s",
                      sg.index, store.path, e)
         if getattr(e, "errno", None) == errno.ETIMEDOUT:
-            opt.pool.abandon(buf)      # a hung read may still write into it
+            residency.abandon(buf)      # a hung read may still write into it
         else:
-            opt.pool.release(buf)
+            residency.release(buf)
         return None, False
     return buf, True
 
 
-def _place(opt, sg, buf, queue):
+def _place(tiers, sg, buf, queue):
     """Write sg's state to the first healthy tier with room; the store, or None."""
-    for target in opt.stores:
+    for target in tiers.stores:
         if target.failed or any(s is target for s, _ in queue):
             continue
         if target.free_bytes() < 2 * sg.region_bytes:
@@ -152,18 +156,3 @@ def _place(opt, sg, buf, queue):
             continue
         return target
     return None
-
-
-def _retire(store) -> threading.Thread:
-    """Close a failed tier in the background: a hung device must not hold up training
-    (``OffloadAdam.close`` waits for it, at most one I/O timeout)."""
-    t = threading.Thread(target=_close_quietly, args=(store,), name=f"mlp-retire-tier{store.index}", daemon=True)
-    t.start()
-    return t
-
-
-def _close_quietly(store) -> None:
-    try:
-        store.close(remove=True)
-    except Exception as e:  # noqa: BLE001 -- the tier already failed; report, do not raise
-        logger.warning("closing failed tier %s: %s", store.path, e)

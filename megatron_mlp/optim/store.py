@@ -27,33 +27,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
-from megatron_mlp.errors import IntegrityError, TierCapacityError, TierIOError
+from megatron_mlp.errors import IntegrityError, TierIOError
 from megatron_mlp.optim.stats import TierStepStats
+from megatron_mlp.optim.store_file import SlotRecord, open_tier_file
+from megatron_mlp.optim.streamed_flush import StreamedFlush
 from megatron_mlp.optim.subgroups import Subgroup
-from megatron_mlp.optim.placement.model import SLOTS_PER_SUBGROUP
-from megatron_mlp.tier.validation import usable_capacity_bytes
-from megatron_mlp.tier.spec import shares_rw_limit
-from megatron_mlp.tier.scratch import SCRATCH_PREFIX, create_scratch_dir, reserve_space  # noqa: F401
-
-STATE_FILE = "state.bin"
+from megatron_mlp.tier.scratch import reserve_space
 logger = logging.getLogger("megatron_mlp.optim.store")
 # A failed request is retried once on the same tier (the good slot is untouched, so a retry is
 # safe); these errors are not worth a retry: the device is full or hangs.
 _NO_RETRY = (errno.ENOSPC, errno.EDQUOT, errno.ETIMEDOUT)
-
-
-@dataclass
-class SlotRecord:
-    """Where a subgroup's good copy is: one of two slots in its tier's file."""
-
-    offsets: tuple[int, int]
-    current: int | None = None   # slot holding the good copy; None = never written
-    generation: int = 0
-    crc: int | None = None
-
-    @property
-    def next_slot(self) -> int:
-        return 0 if self.current != 0 else 1
 
 
 @dataclass
@@ -101,61 +84,18 @@ class TierStore:
             TierIOError: the path cannot be used (names the path and errno).
             TierCapacityError: the tier lacks the space for two slots of its subgroups.
         """
-        need = SLOTS_PER_SUBGROUP * sum(sg.region_bytes for sg in subgroups)
-        try:
-            free = os.statvfs(spec.path)
-        except OSError as e:
-            raise TierIOError(e.errno, "--mlp-offload-paths: cannot use tier path", spec.path) from e
-        free_bytes = usable_capacity_bytes(spec.capacity_bytes, free.f_bavail * free.f_frsize)   # as placed
-        if need > free_bytes:
-            raise TierCapacityError(
-                f"--mlp-offload-paths: tier {spec.path} needs {need} bytes for {len(subgroups)} subgroups "
-                f"(two slots each) but has {free_bytes} free; {need - free_bytes} bytes are missing")
-        try:
-            scratch_dir = create_scratch_dir(spec.path, job_tag, job_id=job_id, rank=rank)   # 0700, locked
-            scratch = scratch_dir.path
-            file_path = scratch_dir.file(STATE_FILE)                                           # 0600, O_EXCL|O_NOFOLLOW
-        except OSError as e:
-            raise TierIOError(e.errno, "--mlp-offload-paths: cannot create scratch state file", spec.path) from e
-        try:
-            # Both slots of every subgroup, allocated now: a device filling up later (another
-            # job) cannot fail a flush with ENOSPC where the file system supports fallocate.
-            reserve_space(file_path, need)
-        except OSError as e:
-            scratch_dir.remove()
-            raise TierCapacityError(
-                f"--mlp-offload-paths: tier {spec.path} cannot reserve {need} bytes for {len(subgroups)} "
-                f"subgroups (two slots each): {e.strerror}; free space or lower the share of this path") from e
-        engines = []
-        try:
-            engine = engine_factory(spec)
-            engines.append(engine)
-            handle = engine.open(file_path, create=False, direct=True)
-            st = os.stat(file_path)
-            split = not shares_rw_limit(spec)  # separate read/write budgets: one lane each
-            write_engine, write_handle = engine, handle
-            if split:
-                write_engine = engine_factory(spec)
-                engines.append(write_engine)
-                write_handle = write_engine.open(file_path, create=False, direct=True)
-        except BaseException:
-            for e in engines:
-                e.close()
-            scratch_dir.remove()      # a tier that cannot start leaves nothing behind
-            raise
-        records, offset = {}, 0
-        for sg in subgroups:
-            records[sg.index] = SlotRecord((offset, offset + sg.region_bytes))
-            offset += 2 * sg.region_bytes
+        f = open_tier_file(spec, subgroups, engine_factory=engine_factory, job_tag=job_tag, job_id=job_id,
+                           rank=rank)
+        split = f.split_lanes
         # A tier with separate read and write budgets gets a token per direction: one rank's
         # write-back and another's fetch use different budgets and need not take turns.
         token = token_factory(spec, "read" if split else "rw")
         write_token = token_factory(spec, "write") if split else token
-        store = cls(index=index, path=spec.path, scratch_dir=scratch, file_path=file_path, engine=engine,
-                    handle=handle, token=token, write_token=write_token, checksum=checksum, split_lanes=split,
-                    records=records, write_engine=write_engine, write_handle=write_handle,
-                    scratch=scratch_dir, io_timeout_s=io_timeout_s, end_offset=offset,
-                    capacity_bytes=spec.capacity_bytes, _inode=(st.st_dev, st.st_ino))
+        store = cls(index=index, path=spec.path, scratch_dir=f.scratch_dir.path, file_path=f.file_path,
+                    engine=f.engine, handle=f.handle, token=token, write_token=write_token, checksum=checksum,
+                    split_lanes=split, records=f.records, write_engine=f.write_engine, write_handle=f.write_handle,
+                    scratch=f.scratch_dir, io_timeout_s=io_timeout_s, end_offset=f.end_offset,
+                    capacity_bytes=spec.capacity_bytes, _inode=f.inode)
         store._read_lane = ThreadPoolExecutor(1, thread_name_prefix=f"mlp-tier{index}-io")
         store._cpu = ThreadPoolExecutor(1, thread_name_prefix=f"mlp-tier{index}-crc")
         store._write_lane = (ThreadPoolExecutor(1, thread_name_prefix=f"mlp-tier{index}-wr")
@@ -216,7 +156,7 @@ class TierStore:
         self._read_lane.submit(read)
         return done, landed
 
-    def flush_streamed(self, sg: Subgroup, buffer, pieces) -> "StreamedFlush":
+    def flush_streamed(self, sg: Subgroup, buffer, pieces) -> StreamedFlush:
         """A write-back of ``sg`` that starts before the kernel has finished the region: see
         ``StreamedFlush``. Same slot discipline as ``flush``."""
         return StreamedFlush(self, sg, self._region(sg, buffer), tuple(pieces))
@@ -510,72 +450,6 @@ class TierStore:
                 self.write_engine.close()
             if remove and self.scratch is not None:
                 self.scratch.remove()
-
-
-class StreamedFlush:
-    """A write-back that the kernel feeds piece by piece (``TierStore.flush_streamed``).
-
-    ``write_piece(k)``: piece ``k`` of the region is final; its requests go to the tier's write lane
-    (holding the tier's token) behind whatever is queued there. ``finish(crc)``: every piece was
-    handed in; returns the Future of the whole flush, done once every piece is written and the
-    record has switched to the new slot -- exactly as ``flush``: until then the previous slot
-    stays the good copy, and a failed piece fails the flush with nothing switched. The first
-    write-back of a step starts this way after one piece of its kernel instead of the whole one,
-    while the tier would otherwise idle.
-    """
-
-    def __init__(self, store: TierStore, sg: Subgroup, region, pieces):
-        self.store, self.sg, self.region, self.pieces = store, sg, region, pieces
-        rec = store.records[sg.index]
-        self.slot = rec.next_slot     # fixed now: every piece must go to the same slot
-        self.offset = rec.offsets[self.slot]
-        self.error: BaseException | None = None
-        self.handed_in = 0
-
-    def write_piece(self, k: int) -> None:
-        if k != self.handed_in:
-            raise ValueError(f"StreamedFlush: piece {k} handed in after {self.handed_in} of {len(self.pieces)}")
-        self.handed_in += 1
-        self.store._write_lane.submit(self._write, k)
-
-    def finish(self, crc: int | None) -> Future:
-        if self.handed_in != len(self.pieces):
-            raise ValueError(f"StreamedFlush: finish after {self.handed_in} of {len(self.pieces)} pieces")
-        done: Future = Future()
-        self.store._write_lane.submit(self._finish, crc, done)   # the lane runs it after the pieces
-        return done
-
-    def _write(self, k: int) -> None:   # on the write lane
-        if self.error is not None:
-            return
-        store, sg = self.store, self.sg
-        try:
-            def write():
-                t0 = time.perf_counter()
-                store._io_pieces(lambda rel, n: store.write_engine.write(store.write_handle, self.region,
-                                                                         self.offset + rel, n, rel),
-                                 "write", self.offset, [sg.piece_ranges(*self.pieces[k])])
-                t1 = time.perf_counter()
-                store.stats.add(flush_s=t1 - t0)
-                if store.trace is not None:
-                    lo, hi = self.pieces[k]
-                    store.trace.span(store._lane("write"), "write-back", t0, t1, subgroup=sg.index, piece=k,
-                                     bytes=sum(n for _, n in sg.piece_ranges(lo, hi)), slot=self.slot)
-
-            store._with_token(store.write_token, write)
-        except BaseException as e:  # noqa: BLE001 -- delivered by finish()
-            self.error = e
-
-    def _finish(self, crc: int | None, done: Future) -> None:   # on the write lane, after every piece
-        store, rec = self.store, self.store.records[self.sg.index]
-        if self.error is not None:
-            done.set_exception(self.error)
-            return
-        store.stats.add(bytes_written=self.sg.region_bytes, flushes=1)
-        with store._lock:
-            # Switch only now: the old slot stayed the good copy until every piece was written.
-            rec.current, rec.crc, rec.generation = self.slot, (crc if store.checksum else None), rec.generation + 1
-        done.set_result(None)
 
 
 def _crc32c(region) -> int:

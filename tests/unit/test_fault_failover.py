@@ -65,7 +65,7 @@ def assert_same(opt, ref):
 
 
 def subgroups_on(opt, path):
-    return [i for i, t in enumerate(opt.tier_of) if opt._store_of[t].path == path]
+    return [i for i, t in enumerate(opt.tier_of) if opt.tiers.store_of[t].path == path]
 
 
 def test_transient_write_error_is_retried_once_and_leaves_no_trace(two_tiers):
@@ -104,7 +104,7 @@ def test_subgroups_move_to_the_healthy_tier_when_writes_to_a_tier_keep_failing(t
         fo = opt.last_step_stats["failover"]
         assert [t["path"] for t in fo["failed_tiers"]] == [two_tiers[0]]
         assert fo["subgroups_moved"] == len(on_a) and fo["subgroups_in_host"] == 0
-        assert all(opt._store_of[t].path == two_tiers[1] for t in opt.tier_of)
+        assert all(opt.tiers.store_of[t].path == two_tiers[1] for t in opt.tier_of)
         assert "taken out of service" in caplog.text and two_tiers[0] in caplog.text
         if err == errno.ENOSPC:   # a full device is not retried
             assert opt.last_step_stats["tiers"][0]["io_retries"] == 0
@@ -150,7 +150,7 @@ def test_subgroups_stay_in_host_memory_when_no_tier_has_room_and_the_cache_budge
         fo = opt.last_step_stats["failover"]
         assert fo["failed_tiers"][0]["path"] == two_tiers[1]
         assert fo["subgroups_in_host"] == len(on_b) and fo["subgroups_moved"] == 0
-        assert opt._pinned == set(on_b) and opt.pool.over_budget_bytes == 0
+        assert opt.residency.pinned == set(on_b) and opt.pool.over_budget_bytes == 0
         assert_same(opt, ref)
 
 

@@ -230,7 +230,7 @@ def test_working_buffers_carry_the_last_subgroups_into_the_next_step_unwritten(t
                 assert (s["cache_hits"], s["warm_hits"]) == (3, working), s
                 assert reads == n - held
                 assert s["warm_hits"] == sum(t["warm_hits"] for t in s["tiers"])
-            assert sorted(opt._resident) == sorted(opt._cache_keep)
+            assert sorted(opt.residency.buffers) == sorted(opt.residency.cache_keep)
             assert opt.pool.peak_bytes <= budget, "the carried subgroups live in the pool's own buffers"
         assert_state_equal(opt, ref)
 
@@ -244,13 +244,13 @@ def test_reading_the_state_between_steps_writes_back_the_carried_subgroup_needed
     with opt:
         opt.step(grads_for(0, torch.bfloat16))
         ref.step(grads_for(0, torch.bfloat16))
-        held = set(opt._resident)
+        held = set(opt.residency.buffers)
         assert len(held) == opt.keep_slots and opt.last_step_stats["order"] == "ascending"
         store = opt.stores[0]
         generations = {i: store.records[i].generation for i in range(len(opt.plan))}
         assert_state_equal(opt, ref)      # reads the subgroups not in host memory
         needed_last = min(held)
-        assert set(opt._resident) == held - {needed_last}
+        assert set(opt.residency.buffers) == held - {needed_last}
         assert store.records[needed_last].generation == generations[needed_last] + 1
         assert all(store.records[i].generation == generations[i] for i in held - {needed_last})
         opt.step(grads_for(1, torch.bfloat16))
@@ -276,11 +276,11 @@ def test_a_failed_write_back_between_steps_keeps_the_carried_subgroup_and_the_re
     with opt:
         opt.step(grads_for(0, torch.bfloat16))
         ref.step(grads_for(0, torch.bfloat16))
-        held = set(opt._resident)
+        held = set(opt.residency.buffers)
         engines.engines[0].inject_fault(nth=1, err=errno.EIO, op="write", every=True)
         assert_state_equal(opt, ref)
         engines.engines[0].clear_faults()
-        assert set(opt._resident) == held, "a subgroup whose write-back failed must stay in host memory"
+        assert set(opt.residency.buffers) == held, "a subgroup whose write-back failed must stay in host memory"
         assert opt.pool.over_budget_bytes == opt.pool.buffer_bytes, "one buffer over the budget for the read"
         assert opt.pool.allocated_bytes <= opt.pool.limit_bytes, "and given back after it"
         for step in range(1, 4):
@@ -298,7 +298,7 @@ def test_working_buffers_carry_nothing_without_the_alternating_order(tier_dirs):
             for step in range(3):
                 opt.step(grads_for(step, torch.bfloat16))
                 assert opt.last_step_stats["warm_hits"] == 0, overrides
-                assert len(opt._resident) == opt.cache_slots, overrides
+                assert len(opt.residency.buffers) == opt.cache_slots, overrides
 
 
 @pytest.mark.parametrize("whole", [True, False], ids=["whole-subgroups", "partial-subgroups"])
@@ -312,8 +312,8 @@ def test_state_written_between_steps_reaches_the_subgroups_the_working_buffers_c
         for step in range(2):
             for opt in (warm, cold):
                 opt.step(grads_for(step, torch.bfloat16))
-        carried = sorted(warm._held_by_working)
-        assert carried and set(carried) <= set(warm._resident)
+        carried = sorted(warm.residency.held_by_working)
+        assert carried and set(carried) <= set(warm.residency.buffers)
         lo = warm.plan[carried[0]].start + (0 if whole else 7)
         hi = warm.plan[carried[-1]].end - (0 if whole else 5)
         gen = torch.Generator().manual_seed(7)
@@ -356,7 +356,7 @@ def test_a_steps_write_backs_take_their_crc32c_from_the_kernel_and_match_the_byt
             ref.step(g)
         assert second_passes == [], "no region written back by a step is read again for its checksum"
         for sg in opt.plan:
-            store = opt._store_of[opt.tier_of[sg.index]]
+            store = opt.tiers.store_of[opt.tier_of[sg.index]]
             rec = store.records[sg.index]
             with open(store.file_path, "rb") as f:
                 on_storage = f.read()[rec.offsets[rec.current]:rec.offsets[rec.current] + sg.region_bytes]
@@ -401,7 +401,7 @@ def test_subgroups_of_a_free_tier_go_first_when_another_rank_holds_a_tiers_token
                     runtime_dir=str(tmp_path), host_cache_bytes=0, prefetch_depth=1)
     with opt:
         busy_tier = opt.tier_of[0]                       # the tier of the first subgroup in order
-        fetch_token = opt._store_of[busy_tier].token      # the tier's token for reads
+        fetch_token = opt.tiers.store_of[busy_tier].token      # the tier's token for reads
         other = TierToken(key=fetch_token.key, runtime_dir=str(tmp_path))
         assert other.try_acquire()                       # "another rank" holds it
         timer = threading.Timer(0.5, other.release)
@@ -429,7 +429,7 @@ def test_a_tier_with_separate_read_and_write_budgets_has_a_token_per_direction(t
     opt, _ = make(tier_dirs, 2, qos_last=True, subgroup_params=1000, use_tokens=True,
                   runtime_dir=str(tmp_path), host_cache_bytes=0, io_timeout_s=5)
     with opt:
-        disk, capped = opt._store_of[0], opt._store_of[1]
+        disk, capped = opt.tiers.store_of[0], opt.tiers.store_of[1]
         assert disk.token is disk.write_token and disk.token.key == device_key(tier_dirs[0])
         assert capped.token.key == device_key(tier_dirs[1]) + "-read"
         assert capped.write_token.key == device_key(tier_dirs[1]) + "-write"

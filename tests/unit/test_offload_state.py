@@ -132,7 +132,7 @@ def test_failed_flush_keeps_new_state_in_memory_and_previous_copy_readable(tier_
             opt.step(g)
             ref.step(g)
         previous = {name: ref.state(name).clone() for name in STATES}
-        held_before = set(opt._resident)   # not on storage in their newest state (carried over)
+        held_before = set(opt.residency.buffers)   # not on storage in their newest state (carried over)
         store = opt.stores[0]
         # Writes fail from now on (the retry too), and there is no other tier to fail over to.
         engines.engines[0].inject_fault(nth=1, err=errno.EIO, op="write", every=True)
@@ -148,8 +148,8 @@ def test_failed_flush_keeps_new_state_in_memory_and_previous_copy_readable(tier_
         # Every subgroup was updated; the ones whose flush failed live in host memory, with the kept ones.
         assert_state_equal(opt, ref)
         failed = [int(m.split()[1]) for m in opt.flush_errors]   # "subgroup <i> on <tier>: ..."
-        assert len(failed) == written_back and not set(failed) & opt._cache_keep
-        assert sorted(opt._resident) == list(range(len(opt.plan)))
+        assert len(failed) == written_back and not set(failed) & opt.residency.cache_keep
+        assert sorted(opt.residency.buffers) == list(range(len(opt.plan)))
         fetched = [i for i in failed if i not in held_before]   # read from storage in this step
         assert fetched, (failed, held_before)
         sg = opt.plan[fetched[0]]
@@ -183,7 +183,7 @@ def test_checksum_mismatch_raises_naming_tier_file_and_subgroup(tier_dirs, where
         opt.step(grads_for(0, torch.bfloat16))
         store = opt.stores[0]
         sg = opt.plan[4]
-        assert sg.index not in opt._resident, "the test needs a subgroup the next step reads"
+        assert sg.index not in opt.residency.buffers, "the test needs a subgroup the next step reads"
         rec = store.records[sg.index]
         generation = rec.generation
         fd = os.open(store.file_path, os.O_RDWR)
@@ -200,7 +200,7 @@ def test_checksum_mismatch_raises_naming_tier_file_and_subgroup(tier_dirs, where
         assert f"subgroup {sg.index}" in msg and store.file_path in msg and f"tier {store.path}" in msg
         assert (sg.start, sg.end) not in done, "params computed from a corrupt region were handed out"
         assert store.records[sg.index].generation == generation, "a corrupt region was written back"
-        assert opt.pool.in_use == len(opt._resident), "the buffer of the corrupt region was not given back"
+        assert opt.pool.in_use == len(opt.residency.buffers), "the buffer of the corrupt region was not given back"
         with pytest.raises(IntegrityError):
             opt.read_range(sg.start, sg.end)
 
@@ -236,7 +236,7 @@ def test_a_step_after_one_that_failed_part_way_is_refused_until_the_state_is_res
         torch.save(opt.state_dict(), tmp_path / "ckpt.pt")
         # The next step runs descending: subgroup 1 is read near its end, after most others were updated.
         store, sg = opt.stores[0], opt.plan[1]
-        assert sg.index not in opt._resident, "the test needs a subgroup the next step reads"
+        assert sg.index not in opt.residency.buffers, "the test needs a subgroup the next step reads"
         _flip_newest_slot_byte(store, sg)
         with pytest.raises(IntegrityError):
             opt.step(g1)

@@ -11,6 +11,7 @@ import torch
 from megatron_mlp.config import MLPOffloadConfig
 from megatron_mlp.optim.offload_adam import OffloadAdam
 from megatron_mlp.optim.reference_adam import ReferenceAdamW
+from megatron_mlp.optim.step_pipeline import Fetch, Flush, StepPipeline
 
 
 def two_tier_config(disk_dir, host_cache_bytes: int) -> MLPOffloadConfig:
@@ -25,9 +26,9 @@ def two_tier_config(disk_dir, host_cache_bytes: int) -> MLPOffloadConfig:
 @pytest.fixture
 def two_tier_opt(disk_dir):
     opt = OffloadAdam(two_tier_config(disk_dir, 0), [(0, 8000)], [{"lr": 1e-2}], torch.zeros(8000))
-    saved = dict(opt._resident)
+    saved = dict(opt.residency.buffers)
     yield opt
-    opt._resident = saved
+    opt.residency.buffers = saved
     opt.close()
 
 
@@ -36,7 +37,14 @@ def on_tier(opt, tier):
 
 
 def pretend_resident(opt, indices):
-    opt._resident = {i: object() for i in indices}
+    opt.residency.buffers = {i: object() for i in indices}
+
+
+def first_ready(opt, remaining, fetching, flushing, keep):
+    """The pipeline's next pick with ``remaining`` to update and the given I/O in flight."""
+    pipeline = StepPipeline(opt, remaining, keep, set(), None, None)
+    pipeline.fetching, pipeline.flushing = fetching, flushing
+    return pipeline.first_ready()
 
 
 def test_the_placement_of_the_fixture_uses_both_tiers(two_tier_opt):
@@ -46,13 +54,13 @@ def test_the_placement_of_the_fixture_uses_both_tiers(two_tier_opt):
 def test_with_every_tier_idle_the_tier_with_the_most_io_left_gets_the_first_update(two_tier_opt):
     opt = two_tier_opt
     order = list(range(len(opt.plan)))
-    left = opt._io_seconds_left(order, {}, set())
+    left = StepPipeline(opt, order, set(), set(), None, None).io_seconds_left()
     bottleneck = max(left, key=left.get)
     other = 1 - bottleneck
     first_other, first_bottleneck = on_tier(opt, other)[0], on_tier(opt, bottleneck)[0]
     order = [first_other, first_bottleneck] + [i for i in order if i not in (first_other, first_bottleneck)]
     pretend_resident(opt, [first_other, first_bottleneck])
-    assert opt._first_ready(order, {}, {}, keep=set()) == first_bottleneck
+    assert first_ready(opt, order, {}, {}, keep=set()) == first_bottleneck
 
 
 def test_a_tier_with_a_write_back_in_flight_is_busy_so_the_idle_tier_goes_first(two_tier_opt):
@@ -60,19 +68,19 @@ def test_a_tier_with_a_write_back_in_flight_is_busy_so_the_idle_tier_goes_first(
     a, b = on_tier(opt, 0)[0], on_tier(opt, 1)[0]
     pretend_resident(opt, [a, b])
     in_flight = Future()
-    busy_store = opt._store_of[opt.tier_of[a]]
-    flushing = {in_flight: (opt.plan[a], busy_store, None)}
-    assert opt._first_ready([a, b], {}, flushing, keep=set()) == b
+    busy_store = opt.tiers.store_of[opt.tier_of[a]]
+    flushing = {in_flight: Flush(opt.plan[a], busy_store, None)}
+    assert first_ready(opt, [a, b], {}, flushing, keep=set()) == b
 
 
 def test_subgroups_that_stay_cached_and_busy_tiers_fall_back_to_the_order(two_tier_opt):
     opt = two_tier_opt
     a, b = on_tier(opt, 0)[0], on_tier(opt, 1)[0]
     pretend_resident(opt, [a, b])
-    assert opt._first_ready([a, b], {}, {}, keep={a, b}) == a, "no write-back: nothing to start early"
-    assert opt._first_ready([b, a], {}, {}, keep={a, b}) == b
-    flushing = {Future(): (None, store, None) for store in opt.stores}
-    assert opt._first_ready([b, a], {}, flushing, keep=set()) == b, "every tier busy: the order"
+    assert first_ready(opt, [a, b], {}, {}, keep={a, b}) == a, "no write-back: nothing to start early"
+    assert first_ready(opt, [b, a], {}, {}, keep={a, b}) == b
+    flushing = {Future(): Flush(None, store, None) for store in opt.stores}
+    assert first_ready(opt, [b, a], {}, flushing, keep=set()) == b, "every tier busy: the order"
 
 
 def test_a_fetch_not_yet_done_is_not_ready(two_tier_opt):
@@ -81,8 +89,8 @@ def test_a_fetch_not_yet_done_is_not_ready(two_tier_opt):
     pretend_resident(opt, [])
     done, pending = Future(), Future()
     done.set_result(None)
-    assert opt._first_ready([a, b], {a: (pending, None, []), b: (done, None, [])}, {}, keep=set()) == b
-    assert opt._first_ready([a, b], {a: (pending, None, [])}, {}, keep=set()) is None
+    assert first_ready(opt, [a, b], {a: Fetch(pending, None), b: Fetch(done, None)}, {}, keep=set()) == b
+    assert first_ready(opt, [a, b], {a: Fetch(pending, None)}, {}, keep=set()) is None
 
 
 def test_steps_that_start_with_the_bottleneck_tier_compute_what_the_reference_computes(disk_dir):

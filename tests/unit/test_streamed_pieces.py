@@ -284,9 +284,9 @@ def _hold_last_read_until_first_piece_is_out(opt, engine, out, index=0):
     """Make the next step's read of subgroup ``index`` land its last piece only once the kernel has
     put out its first piece's params: the step must then stream it."""
     sg = opt.plan[index]
-    assert index not in opt._resident, "the test needs a subgroup the next step reads"
-    pieces = opt._pieces[index]
-    store = opt._store_of[opt.tier_of[index]]
+    assert index not in opt.residency.buffers, "the test needs a subgroup the next step reads"
+    pieces = opt.pieces[index]
+    store = opt.tiers.store_of[opt.tier_of[index]]
     rec = store.records[index]
     engine.hold = {rec.offsets[rec.current] + rel for rel, _ in sg.piece_ranges(*pieces[-1])}
     lo, hi = pieces[0]
@@ -311,7 +311,7 @@ def test_the_kernel_follows_the_steps_last_read_piece_by_piece(disk_dir):
         opt.step(g, out)
         ref.step(g)
         # The next step runs descending and reads subgroup 0, of two pieces, last.
-        assert len(opt._pieces[0]) == 2
+        assert len(opt.pieces[0]) == 2
         _hold_last_read_until_first_piece_is_out(opt, engine, out)
         g = grads_for(1)
         opt.step(g, out)
@@ -394,7 +394,7 @@ def test_a_corrupt_byte_in_a_streamed_read_raises_before_anything_is_handed_out_
         assert engine.held_until_released and all(engine.held_until_released), "the read was not streamed"
         assert (sg.start, sg.end) not in done
         assert rec.generation == generation, "a region updated from corrupt data was written back"
-        assert opt.pool.in_use == len(opt._resident), "the buffer of the corrupt region was not given back"
+        assert opt.pool.in_use == len(opt.residency.buffers), "the buffer of the corrupt region was not given back"
 
 
 def test_a_streamed_read_that_fails_raises_and_gives_its_buffer_back(disk_dir):
@@ -420,7 +420,7 @@ def test_a_streamed_read_that_fails_raises_and_gives_its_buffer_back(disk_dir):
         finally:
             engine._engine.read = real_read
         assert engine.held_until_released and all(engine.held_until_released), "the read was not streamed"
-        assert opt.pool.in_use == len(opt._resident), "the buffer of the failed read was not given back"
+        assert opt.pool.in_use == len(opt.residency.buffers), "the buffer of the failed read was not given back"
         # The subgroup's good copy is the one written before: it still reads back as that state.
         got = opt.read_range(sg.start, sg.end)
         assert torch.equal(got["exp_avg"], ref.state("exp_avg")[sg.start:sg.end])
@@ -478,5 +478,5 @@ def test_a_streamed_write_back_that_fails_keeps_the_new_state_in_host_memory(dis
         engines[0].clear_faults()
         assert opt.last_step_stats["streamed_writes"] >= 1
         assert opt.last_step_stats["tiers"][0]["flush_errors"] == len(opt.plan) - opt.keep_slots
-        assert sorted(opt._resident) == list(range(len(opt.plan)))
+        assert sorted(opt.residency.buffers) == list(range(len(opt.plan)))
         assert_state_equal(opt, ref)

@@ -1,0 +1,150 @@
+"""The optimizer state between steps, by element range: from host memory when a subgroup is
+resident there, else read from (and written back to) its tier through one pool buffer.
+
+``LazyStateChunk`` is a piece of ``OffloadAdam.state_dict``: it reads the tiers only when
+materialized, and pickles as the data it holds, never as the optimizer.
+"""
+from __future__ import annotations
+
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
+
+import torch
+
+from megatron_mlp.errors import ConfigError, TierIOError
+from megatron_mlp.optim.kernel_call import state_views
+from megatron_mlp.optim.subgroups import STATE_NAMES, Subgroup
+
+
+class StateAccess:
+    """Reads and writes of the state by element range (``plan``'s subgroups, ``residency``'s
+    buffers, ``tiers``' stores); called between steps only."""
+
+    def __init__(self, plan, residency, tiers):
+        self.plan, self.residency, self.tiers = plan, residency, tiers
+
+    def subgroup(self, sg: Subgroup, load: bool = True, write_back: bool = False) -> SubgroupAccess:
+        return SubgroupAccess(self, sg, load, write_back)
+
+    def read_range(self, start: int, end: int) -> dict[str, torch.Tensor]:
+        out = {name: torch.empty(end - start, dtype=torch.float32) for name in STATE_NAMES}
+        for sg in self.plan.overlapping(start, end):
+            lo, hi = max(start, sg.start), min(end, sg.end)
+            with self.subgroup(sg) as views:
+                for name in STATE_NAMES:
+                    out[name][lo - start:hi - start].copy_(views[name][lo - sg.start:hi - sg.start])
+        return out
+
+    def write_range(self, start: int, end: int, given: dict) -> None:
+        for name, t in given.items():
+            if t is not None and t.numel() != end - start:
+                raise ValueError(f"write_range({start}, {end}): {name} has {t.numel()} elements, "
+                                 f"expected {end - start}")
+        for sg in self.plan.overlapping(start, end):
+            lo, hi = max(start, sg.start), min(end, sg.end)
+            whole = lo == sg.start and hi == sg.end and all(t is not None for t in given.values())
+            with self.subgroup(sg, load=not whole, write_back=True) as views:
+                for name, t in given.items():
+                    if t is not None:
+                        views[name][lo - sg.start:hi - sg.start].copy_(t.reshape(-1)[lo - start:hi - start])
+
+    def write_initial(self, initial_params, numel: int) -> None:
+        """Write every subgroup's first state: params from ``initial_params`` (or zeros), zero moments."""
+        if initial_params is not None and not callable(initial_params):
+            t = initial_params
+            if not isinstance(t, torch.Tensor) or t.numel() != numel:
+                raise ConfigError(f"initial_params: expected a tensor of {numel} elements or a callable "
+                                  f"(start, end) -> tensor, got {type(t).__name__} "
+                                  f"{tuple(t.shape) if isinstance(t, torch.Tensor) else ''}")
+            flat = t.reshape(-1)
+            initial_params = lambda a, b: flat[a:b]  # noqa: E731
+        pending: dict = {}
+        try:
+            for sg in self.plan:
+                buf = self.residency.acquire()
+                while buf is None:
+                    self._reap_initial(pending, block=True)
+                    buf = self.residency.acquire()
+                views = state_views(sg, buf)
+                buf.torch(torch.uint8)[: sg.region_bytes].zero_()
+                if initial_params is not None:
+                    src = initial_params(sg.start, sg.end)
+                    if src.numel() != sg.numel:
+                        raise ConfigError(f"initial_params({sg.start}, {sg.end}) returned {src.numel()} elements")
+                    views["param"].copy_(src.reshape(-1))
+                pending[self.tiers.of(sg.index).flush(sg, buf)] = buf
+        finally:
+            while pending:
+                self._reap_initial(pending, block=True)
+
+    def _reap_initial(self, pending, block):
+        if block:
+            wait_futures(list(pending), return_when=FIRST_COMPLETED)
+        for fut in [f for f in pending if f.done()]:
+            self.residency.release(pending.pop(fut))
+            fut.result()
+
+
+class SubgroupAccess:
+    """Context manager: fp32 views of a subgroup's p/m/v, from the cache or read from its tier."""
+
+    def __init__(self, access: StateAccess, sg: Subgroup, load: bool, write_back: bool):
+        self.access, self.sg, self.load, self.write_back = access, sg, load, write_back
+        self.buf = None
+        self.owned = False
+
+    def __enter__(self):
+        residency, sg = self.access.residency, self.sg
+        if sg.index in residency:
+            self.buf = residency.buffers[sg.index]
+            return state_views(sg, self.buf)
+        self.buf = (residency.acquire() or residency.evict_for_access(self.access.plan, self.access.tiers)
+                    or residency.acquire(force=True))
+        self.owned = True
+        try:
+            if not self.load:
+                self.buf.torch(torch.uint8)[: sg.region_bytes].zero_()
+            else:
+                self.access.tiers.of(sg.index).read_now(sg, self.buf)
+        except BaseException:
+            residency.release(self.buf)
+            raise
+        return state_views(sg, self.buf)
+
+    def __exit__(self, exc_type, exc, tb):
+        if not self.owned:
+            return False  # resident: modified in place, flushed when the pipeline evicts it
+        residency, sg = self.access.residency, self.sg
+        if exc_type is None and self.write_back:
+            store = self.access.tiers.of(sg.index)
+            try:
+                store.write_now(sg, self.buf)
+            except BaseException as e:
+                residency.hold(sg.index, self.buf)   # keep the only copy of the new data
+                raise TierIOError(getattr(e, "errno", 0) or 0,
+                                  f"writing subgroup {sg.index} to tier {store.path} failed; the new state is "
+                                  f"kept in host memory and the previous copy is intact", store.file_path) from e
+        residency.release(self.buf)
+        return False
+
+
+class LazyStateChunk:
+    """Elements ``[start, end)`` of an optimizer's state, read from the tiers only when materialized."""
+
+    def __init__(self, opt, start: int, end: int):
+        self._opt, self.start, self.end = opt, start, end
+
+    def materialize(self) -> dict:
+        data = self._opt.read_range(self.start, self.end)
+        return {"start": self.start, "end": self.end, **data}
+
+    def __reduce__(self):
+        # torch.save / pickle store the data, not the optimizer.
+        return (dict, (self.materialize(),))
+
+    def __repr__(self) -> str:
+        return f"LazyStateChunk([{self.start}, {self.end}))"
+
+
+def chunk_start(chunk) -> int:
+    return chunk.start if isinstance(chunk, LazyStateChunk) else int(chunk["start"])

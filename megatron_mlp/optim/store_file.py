@@ -1,0 +1,104 @@
+"""The scratch file of one tier and the engines that reach it, as ``TierStore.create`` opens them:
+space checked and reserved for two slots per subgroup, nothing left behind when a step fails."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from megatron_mlp.errors import TierCapacityError, TierIOError
+from megatron_mlp.optim.subgroups import Subgroup
+from megatron_mlp.optim.placement.model import SLOTS_PER_SUBGROUP
+from megatron_mlp.tier.scratch import create_scratch_dir, reserve_space
+from megatron_mlp.tier.spec import shares_rw_limit
+from megatron_mlp.tier.validation import usable_capacity_bytes
+
+STATE_FILE = "state.bin"
+
+
+@dataclass
+class SlotRecord:
+    """Where a subgroup's good copy is: one of two slots in its tier's file."""
+
+    offsets: tuple[int, int]
+    current: int | None = None   # slot holding the good copy; None = never written
+    generation: int = 0
+    crc: int | None = None
+
+    @property
+    def next_slot(self) -> int:
+        return 0 if self.current != 0 else 1
+
+
+@dataclass
+class TierFile:
+    """What ``open_tier_file`` opened: the scratch dir, its state file, the engine(s) and handle(s)."""
+
+    scratch_dir: object           # megatron_mlp.tier.scratch.ScratchDir (owner record + lock)
+    file_path: str
+    engine: object
+    handle: object
+    write_engine: object          # split lanes: a second engine; otherwise ``engine``
+    write_handle: object
+    split_lanes: bool
+    records: dict                 # subgroup index -> SlotRecord
+    end_offset: int
+    inode: tuple
+
+
+def open_tier_file(spec, subgroups: list[Subgroup], *, engine_factory, job_tag: str, job_id: str = "",
+                   rank: int = 0) -> TierFile:
+    """Create the per-rank scratch dir (0700) and state file (0600) under ``spec.path``, reserve
+    both slots of every subgroup and open the engine(s).
+
+    Raises:
+        TierIOError: the path cannot be used (names the path and errno).
+        TierCapacityError: the tier lacks the space for two slots of its subgroups.
+    """
+    need = SLOTS_PER_SUBGROUP * sum(sg.region_bytes for sg in subgroups)
+    try:
+        free = os.statvfs(spec.path)
+    except OSError as e:
+        raise TierIOError(e.errno, "--mlp-offload-paths: cannot use tier path", spec.path) from e
+    free_bytes = usable_capacity_bytes(spec.capacity_bytes, free.f_bavail * free.f_frsize)   # as placed
+    if need > free_bytes:
+        raise TierCapacityError(
+            f"--mlp-offload-paths: tier {spec.path} needs {need} bytes for {len(subgroups)} subgroups "
+            f"(two slots each) but has {free_bytes} free; {need - free_bytes} bytes are missing")
+    try:
+        scratch_dir = create_scratch_dir(spec.path, job_tag, job_id=job_id, rank=rank)   # 0700, locked
+        file_path = scratch_dir.file(STATE_FILE)                                           # 0600, O_EXCL|O_NOFOLLOW
+    except OSError as e:
+        raise TierIOError(e.errno, "--mlp-offload-paths: cannot create scratch state file", spec.path) from e
+    try:
+        # Both slots of every subgroup, allocated now: a device filling up later (another
+        # job) cannot fail a flush with ENOSPC where the file system supports fallocate.
+        reserve_space(file_path, need)
+    except OSError as e:
+        scratch_dir.remove()
+        raise TierCapacityError(
+            f"--mlp-offload-paths: tier {spec.path} cannot reserve {need} bytes for {len(subgroups)} "
+            f"subgroups (two slots each): {e.strerror}; free space or lower the share of this path") from e
+    engines = []
+    try:
+        engine = engine_factory(spec)
+        engines.append(engine)
+        handle = engine.open(file_path, create=False, direct=True)
+        st = os.stat(file_path)
+        split = not shares_rw_limit(spec)  # separate read/write budgets: one lane each
+        write_engine, write_handle = engine, handle
+        if split:
+            write_engine = engine_factory(spec)
+            engines.append(write_engine)
+            write_handle = write_engine.open(file_path, create=False, direct=True)
+    except BaseException:
+        for e in engines:
+            e.close()
+        scratch_dir.remove()      # a tier that cannot start leaves nothing behind
+        raise
+    records, offset = {}, 0
+    for sg in subgroups:
+        records[sg.index] = SlotRecord((offset, offset + sg.region_bytes))
+        offset += 2 * sg.region_bytes
+    return TierFile(scratch_dir=scratch_dir, file_path=file_path, engine=engine, handle=handle,
+                    write_engine=write_engine, write_handle=write_handle, split_lanes=split, records=records,
+                    end_offset=offset, inode=(st.st_dev, st.st_ino))
