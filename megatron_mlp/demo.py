@@ -6,7 +6,7 @@ What runs is Megatron-Core's own GPTModel, DistributedDataParallel and Distribut
 the CPU harness maps CUDA onto the CPU. The optimizer state (12 bytes/param) lives on two tier
 directories under the work dir.
 
-The baseline is DeepSpeed ZeRO-3 NVMe offload's policy (``megatron_mlp.optim.baseline``, same
+The baseline is DeepSpeed ZeRO-3 NVMe offload's policy (``megatron_mlp.bench.zero_style``, same
 engine and Adam kernel): one path, gradients upcast to fp32 and written to the path (what ZeRO-3
 does during backward; here timed inside the step and reported as ``backward-grad-write``), then
 every subgroup's fp32 params, m, v *and* gradient read back, updated and written, in ascending
@@ -66,7 +66,7 @@ class _ZeroStyleInner:
     def __init__(self, config, group_ranges, param_groups, initial_params, staging_bytes=0):
         # staging_bytes: the host budget is MLP-Offload's; this policy keeps its own double buffers.
         from megatron_mlp.engine import Engine
-        from megatron_mlp.optim.baseline import ZeroStyleOffload
+        from megatron_mlp.bench.zero_style import ZeroStyleOffload
 
         self.param_groups = param_groups
         self.group_ranges = list(group_ranges)

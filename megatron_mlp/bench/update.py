@@ -267,7 +267,7 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
     import torch
 
     from megatron_mlp.engine import Engine
-    from megatron_mlp.optim.baseline import ZeroStyleOffload
+    from megatron_mlp.bench.zero_style import ZeroStyleOffload
     from megatron_mlp.optim.offload_adam import OffloadAdam
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
@@ -873,7 +873,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def baseline_host_bytes(numel: int, subgroup_params: int) -> int:
     """The ZeRO-3-style baseline's host memory per rank: two state and two fp32 gradient buffers."""
-    from megatron_mlp.optim.baseline import ZeroStyleOffload
+    from megatron_mlp.bench.zero_style import ZeroStyleOffload
     return ZeroStyleOffload.host_bytes_for(numel, subgroup_params)
 
 
