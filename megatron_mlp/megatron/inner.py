@@ -16,6 +16,7 @@ import torch
 
 from megatron_mlp.errors import TierFailure
 from megatron_mlp.observe.metrics import IntervalMetrics
+from megatron_mlp.optim.protocol import OffloadOptimizer
 from megatron_mlp.observe.ranges import phase
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class Segment:
     grad_view: torch.Tensor   # slice of the bucket's grad buffer (this rank's reduced shard)
     param_view: torch.Tensor  # slice of the bucket's param buffer (what the all-gather sends)
 
+
 def default_inner_factory(mlp_config, group_ranges, param_groups, initial_params, staging_bytes=0):
     from megatron_mlp.optim.offload_adam import OffloadAdam
 
@@ -38,6 +40,7 @@ def default_inner_factory(mlp_config, group_ranges, param_groups, initial_params
     return OffloadAdam(mlp_config, group_ranges=group_ranges, param_groups=param_groups,
                        initial_params=initial_params, rank=rank, ranks_per_node=mlp_config.ranks_per_node,
                        staging_bytes=staging_bytes)
+
 
 class OffloadInner:
     """The inner optimizer object Megatron's DistributedOptimizer talks to.
@@ -59,7 +62,7 @@ class OffloadInner:
     ROUND_PIECE_ELEMENTS = 16 << 20
 
     def __init__(self, param_groups: list[dict], segments: list[Segment], numel: int,
-                 grad_dtype: torch.dtype, param_dtype: torch.dtype, offload, timers_fn=None,
+                 grad_dtype: torch.dtype, param_dtype: torch.dtype, offload: OffloadOptimizer, timers_fn=None,
                  grad_transfer: str = "auto"):
         self.param_groups = param_groups
         self.defaults = {}
@@ -86,7 +89,6 @@ class OffloadInner:
         self._round_buffer = None       # device bf16 buffer for grad_transfer='bf16'
         self._grad_events: list = []    # (start, end, event) per gradient chunk of this step (trace too)
         self._timing: dict = {}         # this step's CUDA events, read by transfer_timings()
-        self._accepts_grads_ready = "grads_ready" in _parameters(getattr(offload, "step", None))
         self.last_stats: dict = {}
         self.tier_failure = None   # a TierFailure after a completed step, for the outer optimizer
         # Bytes each tier read and wrote since the training log last took them (take_tier_bytes).
@@ -109,7 +111,7 @@ class OffloadInner:
     @torch.no_grad()
     def step(self, closure=None):
         # The step's timeline (--mlp-offload-trace) opens here, so that it holds the copies too.
-        trace = getattr(self.offload, "trace", None)
+        trace = self.offload.trace
         self._trace = trace
         step_no = self.num_steps + 1
         if trace is not None:
@@ -123,7 +125,7 @@ class OffloadInner:
             if trace is not None:
                 trace.end_step(step_no)
             self._trace = None
-        self.metrics.add_step(getattr(self.offload, "last_step_stats", None), self.last_stats)
+        self.metrics.add_step(self.offload.last_step_stats, self.last_stats)
         return None
 
     def _step(self):
@@ -144,12 +146,9 @@ class OffloadInner:
             # Start the H2D copy of the finished slice while Adam works on the next subgroup.
             pending.extend(self._copy_params_to_device(start, end))
 
-        if not self._accepts_grads_ready:
-            grads_ready(0, self._numel)   # an offload optimizer that cannot wait per subgroup
-        kwargs = {"grads_ready": grads_ready} if self._accepts_grads_ready else {}
         try:
             self.offload.step(self._grads_host, self._params_host, inv_loss_scale=self.inv_loss_scale,
-                              clip_coef=self.clip_coef, on_subgroup_done=on_subgroup_done, **kwargs)
+                              clip_coef=self.clip_coef, on_subgroup_done=on_subgroup_done, grads_ready=grads_ready)
         except TierFailure as e:
             if not (e.step_completed and e.state_complete):
                 raise
@@ -170,7 +169,7 @@ class OffloadInner:
         if self._h2d_stream is not None:
             torch.cuda.current_stream().wait_stream(self._h2d_stream)
         t2 = time.perf_counter()
-        for i, tier in enumerate((getattr(self.offload, "last_step_stats", None) or {}).get("tiers", [])):
+        for i, tier in enumerate(self.offload.last_step_stats.get("tiers", [])):
             # An offload optimizer other than OffloadAdam (the demo's baseline) may name fewer fields.
             moved = self.tier_bytes.setdefault(tier.get("path", f"tier{i}"), [0, 0])
             moved[0] += tier.get("bytes_read", 0)
@@ -241,16 +240,13 @@ class OffloadInner:
     def set_step(self, step: int) -> None:
         self.num_steps = int(step)
         self._step_tensor.fill_(float(step))
-        _set_offload_step(self.offload, int(step))
+        self.offload.set_completed_steps(int(step))
 
     # -- copies --------------------------------------------------------------------------------
     def _grad_chunks(self) -> list[tuple[int, int]]:
-        """Flat ranges of the gradient in the order the next update reads them: one per subgroup
-        when the offload optimizer says its order, else the whole shard."""
-        plan, next_order = getattr(self.offload, "plan", None), getattr(self.offload, "next_order", None)
-        if plan is None or next_order is None or not self._accepts_grads_ready:
-            return [(0, self._numel)] if self._numel else []
-        return [(plan[i].start, plan[i].end) for i in next_order()]
+        """Flat ranges of the gradient in the order the next update reads them: one per subgroup."""
+        plan = self.offload.plan
+        return [(plan[i].start, plan[i].end) for i in self.offload.next_order()]
 
     def _start_grad_copies(self, chunks: list[tuple[int, int]]) -> None:
         """Copy the reduced gradient shard into the host staging buffer, chunk by chunk (on the
@@ -354,17 +350,10 @@ class OffloadInner:
         for first, last, moved in t.get("h2d", []):
             trace.span("H2D", "param copy", host(first), host(last), bytes=moved)
 
+
 def transfer_dtype(grad_dtype: torch.dtype, grad_transfer: str) -> torch.dtype:
     """The dtype the reduced gradient leaves the device in (--mlp-offload-grad-transfer)."""
     return torch.bfloat16 if grad_transfer == "bf16" and grad_dtype == torch.float32 else grad_dtype
-
-
-def _parameters(fn) -> set:
-    import inspect
-    try:
-        return set(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return set()
 
 
 def _log_grad_transfer(grad_dtype, transfer_dtype, numel: int, grad_transfer: str) -> None:
@@ -378,14 +367,3 @@ def _log_grad_transfer(grad_dtype, transfer_dtype, numel: int, grad_transfer: st
         logger.warning("MLP-Offload: the grad buffer is fp32 (Megatron-LM's --bf16 default), so gradients "
                        "move as 4 bytes/param and are not kept in 16 bits on the host; --grad-reduce-in-bf16 "
                        "or --mlp-offload-grad-transfer bf16 halves that (docs/megatron.md)")
-
-
-def _set_offload_step(offload, step: int) -> None:
-    """Tell the offload optimizer the number of completed steps (bias correction) after a load."""
-    if hasattr(offload, "set_step"):
-        offload.set_step(step)
-    elif isinstance(getattr(offload, "state", None), dict):
-        for group_state in offload.state.values():  # OffloadAdam: per-group {"step": n}
-            group_state["step"] = step
-    else:
-        offload.num_steps = step

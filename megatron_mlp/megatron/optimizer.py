@@ -287,10 +287,7 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         return out
 
     def _subgroup_spans(self, start, end):
-        plan = getattr(self.optimizer.offload, "plan", None)
-        if plan is None or not hasattr(plan, "overlapping"):
-            return [(start, end)]
-        return [(sg.start, sg.end) for sg in plan.overlapping(start, end)]
+        return [(sg.start, sg.end) for sg in self.optimizer.offload.plan.overlapping(start, end)]
 
     def _staged_subgroup(self, lo, hi):
         cache = self.__dict__.setdefault("_staged", {})

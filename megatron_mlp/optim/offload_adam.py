@@ -864,6 +864,12 @@ class OffloadAdam:
         if self._closed:
             raise RuntimeError("OffloadAdam is closed")
 
+    def set_completed_steps(self, steps: int) -> None:
+        """Steps already taken, for Adam's bias correction (``optim.protocol.OffloadOptimizer``): the
+        Megatron layer restores them after a checkpoint load, whose tensors come through write_range."""
+        for group_state in self.state.values():
+            group_state["step"] = int(steps)
+
 
 class _FetchFailed(Exception):
     """Raised by ``_update`` when the read it streams from failed (the cause): the pipeline then

@@ -115,6 +115,8 @@ class _OrderedOffload:
     def __init__(self):
         self.plan = [SimpleNamespace(start=0, end=4), SimpleNamespace(start=4, end=10)]
         self.seen = []
+        self.trace = None
+        self.last_step_stats = {}
 
     def next_order(self):
         return [1, 0]
