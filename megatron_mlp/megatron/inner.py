@@ -16,8 +16,8 @@ import torch
 
 from megatron_mlp.errors import TierFailure
 from megatron_mlp.observe.metrics import IntervalMetrics
-from megatron_mlp.optim.protocol import OffloadOptimizer
 from megatron_mlp.observe.ranges import phase
+from megatron_mlp.optim.protocol import OffloadOptimizer
 
 logger = logging.getLogger(__name__)
 

@@ -110,7 +110,8 @@ def test_the_stock_defaults_are_accepted():
 
 
 class _OrderedOffload:
-    """The OffloadAdam protocol with two subgroups updated last-first, recording what it saw."""
+    """The part of the OffloadOptimizer protocol a step uses: two subgroups updated last-first,
+    recording what it saw."""
 
     def __init__(self):
         self.plan = [SimpleNamespace(start=0, end=4), SimpleNamespace(start=4, end=10)]
