@@ -6,7 +6,7 @@ What runs is Megatron-Core's own GPTModel, DistributedDataParallel and Distribut
 the CPU harness maps CUDA onto the CPU. The optimizer state (12 bytes/param) lives on two tier
 directories under the work dir.
 
-The baseline is DeepSpeed ZeRO-3 NVMe offload's policy (``megatron_mlp.optim.baseline``, same
+The baseline is DeepSpeed ZeRO-3 NVMe offload's policy (``megatron_mlp.bench.zero_style``, same
 engine and Adam kernel): one path, gradients upcast to fp32 and written to the path (what ZeRO-3
 does during backward; here timed inside the step and reported as ``backward-grad-write``), then
 every subgroup's fp32 params, m, v *and* gradient read back, updated and written, in ascending
@@ -59,18 +59,23 @@ def _init_single_process():
     dist.init_process_group("gloo", rank=0, world_size=1)
 
 
-class _ZeroStyleInner:
-    """The ZeRO-3-style policy behind the OffloadAdam protocol (one ZeroStyleOffload per param
-    group, so no-weight-decay groups keep their hyper-parameters). Demo-only."""
+class ZeroStyleAdam:
+    """The ZeRO-3-style policy as an offload optimizer (``optim.protocol.OffloadOptimizer``): one
+    ZeroStyleOffload per param group, so no-weight-decay groups keep their hyper-parameters; its
+    subgroups in ascending order. Demo-only: it does not checkpoint."""
 
     def __init__(self, config, group_ranges, param_groups, initial_params, staging_bytes=0):
         # staging_bytes: the host budget is MLP-Offload's; this policy keeps its own double buffers.
+        from megatron_mlp.bench.zero_style import ZeroStyleOffload
         from megatron_mlp.engine import Engine
-        from megatron_mlp.optim.baseline import ZeroStyleOffload
+        from megatron_mlp.optim.subgroups import SubgroupPlan
 
         self.param_groups = param_groups
         self.group_ranges = list(group_ranges)
         self.numel = self.group_ranges[-1][1] if self.group_ranges else 0
+        # The parts' subgroups, as one plan over the shard (each part splits its group the same way).
+        self.plan = SubgroupPlan(self.group_ranges, config.subgroup_params)
+        self.trace = None
         self.engine = Engine(backend=config.backend, block_bytes=config.block_bytes,
                              queue_depth=config.queue_depth, num_threads=config.io_threads)
         self.parts = []
@@ -82,9 +87,15 @@ class _ZeroStyleInner:
                 initial_params=initial_params(s, e)))
         self.last_step_stats = {}
 
-    def step(self, grads, params_out=None, *, inv_loss_scale=1.0, clip_coef=1.0, on_subgroup_done=None):
+    def next_order(self) -> list[int]:
+        return list(range(len(self.plan)))
+
+    def step(self, grads, params_out=None, *, inv_loss_scale=1.0, clip_coef=1.0, on_subgroup_done=None,
+             grads_ready=None):
         import torch
 
+        if grads_ready is not None:
+            grads_ready(0, self.numel)   # ZeRO-3 writes the whole gradient before the update
         if inv_loss_scale != 1.0 or clip_coef != 1.0:
             # The kernel's arithmetic (g * inv, then * clip, in fp32), done before the fp32 write.
             grads = grads.float()
@@ -109,8 +120,12 @@ class _ZeroStyleInner:
     def read_range(self, start, end):
         raise NotImplementedError("the ZeRO-3-style demo baseline does not checkpoint")
 
-    def write_range(self, start, end, **_):
+    def write_range(self, start, end, param=None, exp_avg=None, exp_avg_sq=None):
         raise NotImplementedError("the ZeRO-3-style demo baseline does not checkpoint")
+
+    def set_completed_steps(self, steps):
+        for part in self.parts:
+            part.step_count = int(steps)
 
     def close(self):
         for part in self.parts:
@@ -130,7 +145,7 @@ def _run(label, spec, mlp_config, iters, log, inner_factory=None):
         parallel_state.destroy_model_parallel()
     model, opt = build(spec, 1, mlp_config, inner_factory=inner_factory, opt_overrides={"lr": DEMO_LR})
     dopt = inner_optimizers(opt)[0]
-    numel = dopt.optimizer.offload.numel if hasattr(dopt.optimizer, "offload") else 0
+    numel = dopt.optimizer.offload.numel
     tiers = mlp_config.tiers[:1] if inner_factory is not None else mlp_config.tiers
     log(f"[{label}] {sum(p.numel() for p in model[0].parameters()) / 1e6:.1f}M params, optimizer state "
         f"{numel * 12 / 2**20:.0f} MiB on {', '.join(t.path for t in tiers)}")
@@ -142,7 +157,7 @@ def _run(label, spec, mlp_config, iters, log, inner_factory=None):
         losses.append(loss)
         ph = phase_seconds(dopt.optimizer)
         ph.update({k: v for k, v in byte_counts(dopt.optimizer).items()})
-        extra = getattr(dopt.optimizer.offload, "last_step_stats", {}) or {}
+        extra = dopt.optimizer.offload.last_step_stats
         if "backward_grad_write_s" in extra:
             ph["backward-grad-write"] = extra["backward_grad_write_s"]
         phases.append(ph)
@@ -187,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         mlp = MLPOffloadConfig.from_paths(paths, subgroup_params=args.subgroup_size,
                                           host_cache_bytes=2 * 12 * args.subgroup_size, calibration="off")
         r_mlp = _run("mlp-offload", spec, mlp, args.iters, log)
-        r_base = _run("zero3-style", spec, mlp, args.iters, log, inner_factory=_ZeroStyleInner)
+        r_base = _run("zero3-style", spec, mlp, args.iters, log, inner_factory=ZeroStyleAdam)
     finally:
         if own_dir:
             shutil.rmtree(workdir, ignore_errors=True)

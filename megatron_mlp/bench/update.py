@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def baseline_host_bytes(numel: int, subgroup_params: int) -> int:
     """The ZeRO-3-style baseline's host memory per rank: two state and two fp32 gradient buffers."""
-    from megatron_mlp.optim.baseline import ZeroStyleOffload
+    from megatron_mlp.bench.zero_style import ZeroStyleOffload
     return ZeroStyleOffload.host_bytes_for(numel, subgroup_params)
 
 

@@ -74,7 +74,7 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
     import torch
 
     from megatron_mlp.engine import Engine
-    from megatron_mlp.optim.baseline import ZeroStyleOffload
+    from megatron_mlp.bench.zero_style import ZeroStyleOffload
     from megatron_mlp.optim.offload_adam import OffloadAdam
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))

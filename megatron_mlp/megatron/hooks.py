@@ -180,7 +180,9 @@ def install(argv: list[str] | None = None) -> None:
         argv: the command line to look for ``--mlp-offload-cpu`` (default ``sys.argv``).
     """
     if cpu_requested(argv):
-        from megatron_mlp.megatron import cpu_launch
+        # The one call from this layer into testing/: a patched pretrain_gpt.py reaches us first, before
+        # Megatron is imported, so the CPU harness (--mlp-offload-cpu) can be installed from here only.
+        from megatron_mlp.testing import cpu_launch
 
         cpu_launch.install()
     from megatron.training import arguments as margs_module

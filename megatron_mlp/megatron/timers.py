@@ -33,21 +33,21 @@ def add_elapsed(timers, name: str, seconds: float) -> bool:
 
 
 def _tier_stats(inner) -> list[tuple[str, dict]]:
-    stats = getattr(getattr(inner, "offload", None), "last_step_stats", None) or {}
-    tiers = stats.get("tiers", []) if isinstance(stats, dict) else []
-    return [(f"tier{i}", t) for i, t in enumerate(tiers) if isinstance(t, dict)]
+    return [(f"tier{i}", t) for i, t in enumerate(inner.offload.last_step_stats.get("tiers", []))]
 
 
 def phase_seconds(inner) -> dict[str, float]:
     """The last step's phases as {timer-suffix: seconds}: grad D2H, compute, and per tier
-    (``tier<i>``, in --mlp-offload-paths order) fetch / flush / token-wait."""
+    (``tier<i>``, in --mlp-offload-paths order) fetch / flush / token-wait.
+
+    ``inner``: the ``OffloadInner`` (its ``last_stats``; its ``offload``'s ``last_step_stats``)."""
     out: dict[str, float] = {}
-    stats = getattr(inner, "last_stats", {}) or {}
+    stats = inner.last_stats
     if "d2h_s" in stats:
         out["grad-d2h"] = stats["d2h_s"]
     if "update_s" in stats:
         out["update"] = stats["update_s"]
-    offload_stats = getattr(getattr(inner, "offload", None), "last_step_stats", None) or {}
+    offload_stats = inner.offload.last_step_stats
     for key in ("compute_s", "wait_s", "drain_s"):
         if isinstance(offload_stats.get(key), (int, float)):
             out[key[:-2]] = float(offload_stats[key])
@@ -61,7 +61,7 @@ def phase_seconds(inner) -> dict[str, float]:
 def byte_counts(inner) -> dict[str, int]:
     """Bytes moved by the last step: D2H grads, H2D params, per tier read / written."""
     out: dict[str, int] = {}
-    stats = getattr(inner, "last_stats", {}) or {}
+    stats = inner.last_stats
     for key in ("bytes_d2h", "bytes_h2d"):
         if key in stats:
             out[key] = int(stats[key])

@@ -382,6 +382,12 @@ class OffloadAdam:
         if self._closed:
             raise RuntimeError("OffloadAdam is closed")
 
+    def set_completed_steps(self, steps: int) -> None:
+        """Steps already taken, for Adam's bias correction (``optim.protocol.OffloadOptimizer``): the
+        Megatron layer restores them after a checkpoint load, whose tensors come through write_range."""
+        for group_state in self.state.values():
+            group_state["step"] = int(steps)
+
 
 def _with_defaults(param_groups: list, num_ranges: int) -> list:
     """``param_groups`` (the caller's dicts, kept by identity) with the AdamW defaults filled in."""

@@ -94,7 +94,7 @@ class CpuStream:
     Megatron-Core 0.17+ orders the gradient reduction after CUDA-graph replays by making the
     current stream wait for per-param events; on the CPU every op has completed when it returns,
     so each wait is already satisfied. (The Megatron-LM launcher also builds streams and events:
-    ``megatron_mlp.megatron.cpu_launch``.)
+    ``megatron_mlp.testing.cpu_launch``.)
     """
 
     def __init__(self, *args, **kwargs):

@@ -1,4 +1,5 @@
-"""InMemoryAdam: the OffloadAdam contract (docs/internals.md) with its state in host memory.
+"""InMemoryAdam: the offload optimizer's contract (``optim.protocol.OffloadOptimizer``) with its
+state in host memory.
 
 A test double for the Megatron layer: same call signature and semantics as OffloadAdam (flat
 fp32 shard split into param-group ranges; bf16/fp16/fp32 grads; fp32 unscale then clip; updated
@@ -11,13 +12,17 @@ from __future__ import annotations
 
 import torch
 
+from megatron_mlp.optim.subgroups import SubgroupPlan
+
 
 class InMemoryAdam:
     def __init__(self, config, group_ranges, param_groups, initial_params, staging_bytes=0):
         self.config = config
         self.group_ranges = list(group_ranges)
         self.param_groups = param_groups
-        numel = self.group_ranges[-1][1] if self.group_ranges else 0
+        # The subgroups OffloadAdam would use: the order of the gradient copies and of checkpoint reads.
+        self.plan = SubgroupPlan(self.group_ranges, config.subgroup_params)
+        self.numel = numel = self.group_ranges[-1][1] if self.group_ranges else 0
         init = initial_params(0, numel) if callable(initial_params) else initial_params
         self._param = init.detach().to(torch.float32).clone().reshape(-1)
         self._views = [self._param[s:e] for s, e in self.group_ranges]
@@ -25,6 +30,7 @@ class InMemoryAdam:
             [{"params": [v]} for v in self._views], lr=1.0, foreach=False, fused=False)
         self.num_steps = 0
         self.last_step_stats = {}
+        self.trace = None
 
     def _state(self, i):
         st = self._torch.state[self._views[i]]
@@ -34,10 +40,15 @@ class InMemoryAdam:
             st["exp_avg_sq"] = torch.zeros_like(self._views[i])
         return st
 
-    def step(self, grads_flat, params_out_flat=None, *, inv_loss_scale=1.0, clip_coef=1.0,
-             on_subgroup_done=None):
+    def next_order(self) -> list[int]:
+        return list(range(len(self.plan)))
+
+    def step(self, grads, params_out=None, *, inv_loss_scale=1.0, clip_coef=1.0,
+             on_subgroup_done=None, grads_ready=None):
+        if grads_ready is not None:
+            grads_ready(0, self.numel)   # the update reads the whole shard at once
         for i, ((s, e), group) in enumerate(zip(self.group_ranges, self.param_groups)):
-            g = grads_flat[s:e].float()
+            g = grads[s:e].float()
             if inv_loss_scale != 1.0:
                 g.mul_(torch.tensor(inv_loss_scale, dtype=torch.float32))
             if clip_coef != 1.0:
@@ -52,17 +63,20 @@ class InMemoryAdam:
         for v in self._views:
             v.grad = None
         self.num_steps += 1
-        if params_out_flat is not None:
-            params_out_flat.copy_(self._param)
+        if params_out is not None:
+            params_out.copy_(self._param)
             if on_subgroup_done is not None:
                 for s, e in self.group_ranges:
                     on_subgroup_done(s, e)
 
-    def set_step(self, step):
-        self.num_steps = int(step)
+    def set_completed_steps(self, steps):
+        self.num_steps = int(steps)
         for i in range(len(self._views)):
             if self._torch.state[self._views[i]]:
-                self._torch.state[self._views[i]]["step"].fill_(float(step))
+                self._torch.state[self._views[i]]["step"].fill_(float(steps))
+
+    def close(self):
+        """Nothing to release: the state is ordinary host memory."""
 
     def _pieces(self, start, end):
         for i, (s, e) in enumerate(self.group_ranges):

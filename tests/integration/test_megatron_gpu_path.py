@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.megatron,
 
 from megatron_mlp.config import MLPOffloadConfig  # noqa: E402
 from megatron_mlp.errors import ConfigError  # noqa: E402
-from megatron_mlp.megatron.optimizer import _refuse_unsupported_config  # noqa: E402
+from megatron_mlp.megatron.refusals import refuse_unsupported_config  # noqa: E402
 from megatron_mlp.testing import gpt  # noqa: E402
 from megatron_mlp.testing.multiproc import run_distributed  # noqa: E402
 from megatron_mlp.testing.runs import build_only, grad_staging_report  # noqa: E402
@@ -94,27 +94,30 @@ def test_adam_with_l2_weight_decay_is_refused_at_start(tmp_path):
 def test_low_precision_optimizer_state_is_refused_naming_the_flag(field, flag):
     config = SimpleNamespace(**{field: torch.bfloat16})
     with pytest.raises(ValueError, match=f"{flag} bfloat16"):
-        _refuse_unsupported_config(config, [])
+        refuse_unsupported_config(config, [])
 
 
 def test_fp8_param_gather_is_refused_naming_the_flag():
     chunk = SimpleNamespace(ddp_config=SimpleNamespace(fp8_param_gather=True))
     with pytest.raises(ValueError, match="--fp8-param-gather"):
-        _refuse_unsupported_config(SimpleNamespace(), [chunk])
+        refuse_unsupported_config(SimpleNamespace(), [chunk])
 
 
 def test_the_stock_defaults_are_accepted():
     from megatron.core.optimizer import OptimizerConfig
     chunk = SimpleNamespace(ddp_config=SimpleNamespace(fp8_param_gather=False))
-    _refuse_unsupported_config(OptimizerConfig(bf16=True, use_distributed_optimizer=True), [chunk])
+    refuse_unsupported_config(OptimizerConfig(bf16=True, use_distributed_optimizer=True), [chunk])
 
 
 class _OrderedOffload:
-    """The OffloadAdam protocol with two subgroups updated last-first, recording what it saw."""
+    """The part of the OffloadOptimizer protocol a step uses: two subgroups updated last-first,
+    recording what it saw."""
 
     def __init__(self):
         self.plan = [SimpleNamespace(start=0, end=4), SimpleNamespace(start=4, end=10)]
         self.seen = []
+        self.trace = None
+        self.last_step_stats = {}
 
     def next_order(self):
         return [1, 0]
@@ -129,13 +132,13 @@ class _OrderedOffload:
 
 
 def test_gradient_copies_follow_the_order_of_the_next_update_and_params_go_back_per_subgroup():
-    from megatron_mlp.megatron.optimizer import _OffloadInner, _Segment
+    from megatron_mlp.megatron.inner import OffloadInner, Segment
     grad_buffer = torch.arange(10, dtype=torch.float32)
     param_buffer = torch.zeros(10, dtype=torch.bfloat16)
-    segments = [_Segment(0, 6, grad_buffer[:6], param_buffer[:6]), _Segment(6, 10, grad_buffer[6:], param_buffer[6:])]
+    segments = [Segment(0, 6, grad_buffer[:6], param_buffer[:6]), Segment(6, 10, grad_buffer[6:], param_buffer[6:])]
     offload = _OrderedOffload()
-    inner = _OffloadInner([{"params": [], "lr": 1.0}], segments, 10, torch.float32, torch.bfloat16, offload,
-                          grad_transfer="bf16")
+    inner = OffloadInner([{"params": [], "lr": 1.0}], segments, 10, torch.float32, torch.bfloat16, offload,
+                         grad_transfer="bf16")
     assert inner._grad_chunks() == [(4, 10), (0, 4)]
     inner.step()
     assert torch.equal(offload.seen[0], grad_buffer[4:].bfloat16())

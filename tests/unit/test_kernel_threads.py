@@ -12,7 +12,7 @@ import megatron_mlp.optim.fused_adam as fused_adam
 from megatron_mlp.config import MLPOffloadConfig
 from megatron_mlp.engine import Engine
 from megatron_mlp.errors import ConfigError
-from megatron_mlp.optim.baseline import ZeroStyleOffload
+from megatron_mlp.bench.zero_style import ZeroStyleOffload
 from megatron_mlp.optim.offload_adam import OffloadAdam
 from megatron_mlp.optim.reference_adam import ReferenceAdamW
 

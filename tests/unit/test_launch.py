@@ -201,7 +201,7 @@ def test_cpu_switch_makes_cuda_calls_of_megatron_lm_run_on_cpu():
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     code = textwrap.dedent("""
         import torch
-        from megatron_mlp.megatron import cpu_launch
+        from megatron_mlp.testing import cpu_launch
         cpu_launch.install()
         assert torch.cuda.is_available() and torch.cuda.device_count() == 1
         s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-from megatron_mlp.megatron.optimizer import _OffloadInner  # noqa: E402
+from megatron_mlp.megatron.inner import OffloadInner  # noqa: E402
 from megatron_mlp.observe.trace import StepTrace  # noqa: E402
 
 
@@ -24,7 +24,7 @@ class _Event:
 
 
 def test_device_copies_become_spans_on_the_host_clock_when_anchored_by_the_kernels_done_event(tmp_path):
-    inner = _OffloadInner.__new__(_OffloadInner)
+    inner = OffloadInner.__new__(OffloadInner)
     inner._grads_host = torch.empty(0, dtype=torch.bfloat16)
     inner._grad_events = [(0, 1000, _Event(20.0)), (1000, 3000, _Event(50.0))]
     inner._timing = {"d2h_start": _Event(0.0), "kernels_done": _Event(100.0), "kernels_done_host": 10.0,

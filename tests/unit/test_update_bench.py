@@ -184,7 +184,7 @@ def test_zero3_baseline_computes_the_same_adamw_as_torch(disk_dir):
     import torch
 
     from megatron_mlp.engine import Engine
-    from megatron_mlp.optim.baseline import ZeroStyleOffload
+    from megatron_mlp.bench.zero_style import ZeroStyleOffload
     from megatron_mlp.optim.reference_adam import ReferenceAdamW
 
     n = 5000
@@ -212,7 +212,7 @@ def test_an_open_baselines_scratch_dir_is_live_to_the_stale_scratch_sweep(disk_d
     for stale scratch: the baseline's dir must read as live (left alone, nothing reported), and a
     closed baseline leaves nothing behind."""
     from megatron_mlp.engine import Engine
-    from megatron_mlp.optim.baseline import ZeroStyleOffload
+    from megatron_mlp.bench.zero_style import ZeroStyleOffload
     from megatron_mlp.tier.scratch import clean_stale_scratch
 
     eng = Engine()
