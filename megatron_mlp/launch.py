@@ -96,6 +96,28 @@ def run_script(script: str, script_args: list[str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+def install(argv: list[str] | None = None) -> None:
+    """Everything MLP-Offload needs in a Megatron-LM process, before Megatron is imported
+    (idempotent): the CPU harness when ``--mlp-offload-cpu`` / ``MLP_OFFLOAD_CPU=1`` asks for it,
+    then the hooks of :mod:`megatron_mlp.megatron.hooks`.
+
+    This launcher calls it; so does the one line a patched ``pretrain_gpt.py`` carries
+    (``import megatron_mlp.launch as _mlp_offload_hooks; _mlp_offload_hooks.install()``). It lives
+    here, at the command layer, because the CPU harness is test equipment the Megatron layer
+    below must not import.
+
+    Args:
+        argv: the command line to look for ``--mlp-offload-cpu`` (default ``sys.argv``).
+    """
+    if cpu_requested(argv):
+        from megatron_mlp.testing import cpu_launch
+
+        cpu_launch.install()
+    from megatron_mlp.megatron import hooks
+
+    hooks.install(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") and len(argv) == 1:
@@ -115,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"megatron_mlp.launch: {exc}", file=sys.stderr)
         return 2
-    from megatron_mlp.megatron import hooks
-
-    hooks.install([script] + script_args)
+    install([script] + script_args)
     sys.path.pop(0)  # run_script puts it back exactly where Python would
     run_script(script, script_args)
     return 0

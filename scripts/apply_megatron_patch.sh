@@ -15,7 +15,9 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PATCH_ROOT="${MLP_PATCH_ROOT:-$HERE/../patches/megatron-lm}"
-MARKER="megatron_mlp.megatron.hooks"
+MARKER="import megatron_mlp.launch as _mlp_offload_hooks"
+# The line earlier patches added; it skips the CPU harness, so apply brings it up to date in place.
+EARLIER="import megatron_mlp.megatron.hooks as _mlp_offload_hooks"
 TARGET="pretrain_gpt.py"
 
 usage() {
@@ -64,6 +66,8 @@ patch_file="$PATCH_ROOT/$line/${TARGET%.py}.patch"
 
 patched=0
 grep -q "$MARKER" "$checkout/$TARGET" && patched=1
+earlier=0
+grep -q "^$EARLIER" "$checkout/$TARGET" && earlier=1
 
 verify() {
     # Patched file must carry the hook line exactly once and still be valid Python.
@@ -74,6 +78,10 @@ verify() {
 
 case "$mode" in
     check)
+        if [ "$earlier" -eq 1 ]; then
+            echo "patched with the earlier line: $checkout ($TARGET imports megatron_mlp.megatron.hooks); run $0 $checkout to bring it up to date"
+            exit 1
+        fi
         if [ "$patched" -eq 1 ]; then
             verify
             echo "patched: $checkout (Megatron-Core $version, line $line)"
@@ -87,6 +95,16 @@ case "$mode" in
         exit 1
         ;;
     apply)
+        if [ "$earlier" -eq 1 ]; then
+            # Our own line, not Megatron's: swap its import in place, nothing else of the file moves.
+            tmp="$(mktemp "$checkout/.$TARGET.XXXXXX")"
+            sed "s/^$EARLIER/$MARKER/" "$checkout/$TARGET" > "$tmp"
+            chmod --reference="$checkout/$TARGET" "$tmp" 2>/dev/null || true
+            mv "$tmp" "$checkout/$TARGET"
+            verify
+            echo "brought up to date: $checkout ($TARGET now imports megatron_mlp.launch)"
+            exit 0
+        fi
         if [ "$patched" -eq 1 ]; then
             echo "already patched: $checkout ($TARGET imports $MARKER); nothing to do"
             exit 0
@@ -98,6 +116,14 @@ case "$mode" in
         echo "patched: $checkout (Megatron-Core $version, line $line); reverse with: $0 $checkout --reverse"
         ;;
     reverse)
+        if [ "$earlier" -eq 1 ]; then
+            tmp="$(mktemp "$checkout/.$TARGET.XXXXXX")"
+            grep -v "^$EARLIER" "$checkout/$TARGET" > "$tmp" || true
+            chmod --reference="$checkout/$TARGET" "$tmp" 2>/dev/null || true
+            mv "$tmp" "$checkout/$TARGET"
+            echo "reversed the earlier line: $checkout"
+            exit 0
+        fi
         if [ "$patched" -eq 0 ]; then
             echo "not patched: $checkout; nothing to reverse"
             exit 0

@@ -11,10 +11,10 @@ Three names, verified stable from core_r0.13.0 to main (see DESIGN.md):
   hard-coded timer list does not know, and to write the offload metrics with the TensorBoard /
   W&B writers Megatron built (``megatron.training.global_vars``).
 
-``python -m megatron_mlp.launch`` calls :func:`install`; so does the one line a patched
-``pretrain_gpt.py`` carries (``import megatron_mlp.megatron.hooks as _mlp_offload; _mlp_offload.install()``).
-Installing twice is harmless (launcher on a patched checkout). With ``--mlp-offload-cpu`` or ``MLP_OFFLOAD_CPU=1`` the CPU harness
-is installed first, before Megatron is imported.
+:func:`megatron_mlp.launch.install` calls :func:`install`, from ``python -m megatron_mlp.launch`` and
+from the one line a patched ``pretrain_gpt.py`` carries; with ``--mlp-offload-cpu`` or
+``MLP_OFFLOAD_CPU=1`` it installs the CPU harness first, before Megatron is imported. Installing
+twice is harmless (launcher on a patched checkout).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import functools
 import sys
 import weakref
 
+from megatron_mlp.errors import ConfigError
 from megatron_mlp.megatron.arguments import (add_mlp_offload_args, calibrated_config, config_from_args,
                                              cpu_requested)
 
@@ -179,12 +180,14 @@ def install(argv: list[str] | None = None) -> None:
     Args:
         argv: the command line to look for ``--mlp-offload-cpu`` (default ``sys.argv``).
     """
-    if cpu_requested(argv):
-        # The one call from this layer into testing/: a patched pretrain_gpt.py reaches us first, before
-        # Megatron is imported, so the CPU harness (--mlp-offload-cpu) can be installed from here only.
-        from megatron_mlp.testing import cpu_launch
-
-        cpu_launch.install()
+    if cpu_requested(argv) and not _cpu_harness_installed():
+        # The harness is installed one layer up (megatron_mlp.launch.install), before Megatron is
+        # imported; a checkout patched with the earlier line reaches this module directly.
+        raise ConfigError("--mlp-offload-cpu: the CPU harness is not installed. This pretrain script "
+                          "imports megatron_mlp.megatron.hooks, the earlier patch line: run "
+                          "scripts/apply_megatron_patch.sh on the checkout to bring the line up to "
+                          "date (it imports megatron_mlp.launch), or start the script with "
+                          "python -m megatron_mlp.launch")
     from megatron.training import arguments as margs_module
     from megatron.training import global_vars
     from megatron.training import training as training_module
@@ -195,6 +198,13 @@ def install(argv: list[str] | None = None) -> None:
     training_module.training_log = wrap_training_log(
         training_module.training_log, global_vars.get_args, global_vars.get_timers,
         lambda: megatron_writers(global_vars))
+
+
+def _cpu_harness_installed() -> bool:
+    """Whether the launcher installed the CPU harness; asked of the loaded module, not imported
+    (testing/ sits above this layer)."""
+    cpu_launch = sys.modules.get("megatron_mlp.testing.cpu_launch")
+    return bool(cpu_launch and cpu_launch.installed())
 
 
 def installed() -> bool:

@@ -274,3 +274,30 @@ def test_training_log_hook_prints_bytes_each_tier_moved_once_per_log_interval(ca
         assert "megatron_mlp: last" not in capsys.readouterr().out   # counted anew: nothing moved since
     finally:
         hooks._built.discard(opt)
+
+
+def test_a_script_patched_with_the_earlier_line_refuses_the_cpu_switch_and_says_how_to_update(checkout):
+    # The earlier patch line imported the Megatron layer directly, which cannot install the CPU
+    # harness (test equipment, one layer up): it must say so, not train on a device it lacks.
+    code = ("import sys; sys.argv = ['pretrain_gpt.py', '--mlp-offload-cpu']\n"
+            "import megatron_mlp.megatron.hooks as h; h.install()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=f"{checkout}{os.pathsep}{REPO}"))
+    assert proc.returncode != 0
+    assert "--mlp-offload-cpu" in proc.stderr and "apply_megatron_patch.sh" in proc.stderr
+    assert "python -m megatron_mlp.launch" in proc.stderr
+
+
+def test_launch_install_puts_the_cpu_harness_in_place_before_the_hooks(monkeypatch):
+    import megatron_mlp.launch as launch
+    from megatron_mlp.testing import cpu_launch
+
+    calls = []
+    monkeypatch.setattr(cpu_launch, "install", lambda: calls.append("harness"))
+    monkeypatch.setattr(hooks, "install", lambda argv=None: calls.append(("hooks", argv)))
+    launch.install(["pretrain_gpt.py", "--mlp-offload-cpu"])
+    assert calls == ["harness", ("hooks", ["pretrain_gpt.py", "--mlp-offload-cpu"])]
+    calls.clear()
+    monkeypatch.delenv("MLP_OFFLOAD_CPU", raising=False)
+    launch.install(["pretrain_gpt.py"])
+    assert calls == [("hooks", ["pretrain_gpt.py"])]

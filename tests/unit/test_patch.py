@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 PATCHES = REPO / "patches" / "megatron-lm"
 SCRIPT = REPO / "scripts" / "apply_megatron_patch.sh"
 LINES = ["core_r0.13", "core_r0.14", "core_r0.15", "core_r0.16", "core_r0.17", "core_r0.18", "core_r0.19", "main"]
-HOOK = "megatron_mlp.megatron.hooks"
+HOOK = "import megatron_mlp.launch as _mlp_offload_hooks"
+EARLIER = "import megatron_mlp.megatron.hooks as _mlp_offload_hooks"
 
 pytestmark = pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
 
@@ -81,6 +82,30 @@ def test_apply_says_already_patched_and_changes_nothing_when_run_twice(tmp_path)
     again = _run(root)
     assert again.returncode == 0 and "already patched" in again.stdout
     assert (root / "pretrain_gpt.py").read_text() == once
+
+
+def test_a_checkout_patched_with_the_earlier_line_is_brought_up_to_date_in_place(tmp_path):
+    root = _checkout(tmp_path, "core_r0.16")
+    assert _run(root).returncode == 0
+    current = (root / "pretrain_gpt.py").read_text()
+    (root / "pretrain_gpt.py").write_text(current.replace(HOOK, EARLIER))
+    check = _run(root, "--check")
+    assert check.returncode == 1 and "earlier line" in check.stdout
+    upgraded = _run(root)
+    assert upgraded.returncode == 0 and "up to date" in upgraded.stdout, upgraded.stderr
+    assert (root / "pretrain_gpt.py").read_text() == current
+    assert _run(root, "--check").returncode == 0
+
+
+def test_reverse_removes_the_earlier_line_too(tmp_path):
+    root = _checkout(tmp_path, "core_r0.16")
+    original = (root / "pretrain_gpt.py").read_text()
+    assert _run(root).returncode == 0
+    patched = (root / "pretrain_gpt.py").read_text()
+    (root / "pretrain_gpt.py").write_text(patched.replace(HOOK, EARLIER))
+    result = _run(root, "--reverse")
+    assert result.returncode == 0, result.stderr
+    assert (root / "pretrain_gpt.py").read_text() == original
 
 
 def test_apply_refuses_and_changes_nothing_when_context_was_edited_locally(tmp_path):
