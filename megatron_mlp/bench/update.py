@@ -27,10 +27,12 @@ figures alike:
 4. the placement model's predicted I/O time and the I/O reference: the bytes MLP-Offload moved
    per step on each tier divided by that tier's bandwidth from (1) -- read time + write time on a
    tier whose reads and writes share one limit, the larger of the two (or their sum over the
-   combined bandwidth, whichever is larger) on one where they do not;
+   combined bandwidth, whichever is larger) on one where they do not
+   (``optim.placement.reference.tier_io_seconds``);
 5. the policy reference: the time a fluid schedule would need to write and read the state that
    the host cache and the working buffers cannot hold, over these tiers' measured bandwidths
-   (``references.policy_s``), and the baseline's time over it (``speedup.reference``);
+   (``references.policy_s``, ``optim.placement.reference.fluid_update_seconds``), and the baseline's
+   time over it (``speedup.reference``);
 6. the host memory each side holds: the baseline's double buffers, MLP-Offload's pool (cache plus
    working buffers, the same memory whether the buffers carry subgroups between steps or not);
 7. steps paired, seconds apart, so both see the same disk (``update_rank._paired_steps``): after

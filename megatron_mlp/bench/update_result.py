@@ -16,7 +16,8 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from megatron_mlp.bench.update_rank import CHECKSUM_OFF, MLP_NAME, run_config, steady_slice, sweep_name
-from megatron_mlp.bench.update_tiers import faster_of, io_time_bound, policy_reference
+from megatron_mlp.bench.update_tiers import faster_of
+from megatron_mlp.optim.placement.reference import fluid_update_seconds, tier_io_seconds
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def _tier_rows(bandwidth, reference_bw, bandwidth_after, mlp_stats, steps: int) 
                         warm += t["warm_hits"]
         rows.append({**bw, "label": "emulated" if bw["emulated"] else "real", "after": after,
                      "mlp_bytes_read_per_step": rd, "mlp_bytes_written_per_step": wr,
-                     "mlp_cache_hits": hits, "mlp_warm_hits": warm, "io_reference_s": io_time_bound(rd, wr, ref)})
+                     "mlp_cache_hits": hits, "mlp_warm_hits": warm, "io_reference_s": tier_io_seconds(rd, wr, ref)})
     return rows
 
 
@@ -178,7 +179,7 @@ def summarize(args, tiers, bandwidth, results, bandwidth_after=None) -> UpdateRe
     io_reference_s = max(row["io_reference_s"] for row in tier_rows)
     placement, warm_bytes, held_bytes = _placement(args, tiers)
     # Bytes of state over all ranks: fp32 params, exp_avg, exp_avg_sq.
-    policy_s = policy_reference(12.0 * args.num_params, held_bytes, reference_bw)
+    policy_s = fluid_update_seconds(12.0 * args.num_params, held_bytes, reference_bw)
     kernel_s = max(r["kernel_reference"]["seconds"] for r in results)
     step_s = max(io_reference_s, kernel_s)
     base_last = results[0]["baseline"]["last"]

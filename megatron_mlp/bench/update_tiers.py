@@ -5,8 +5,8 @@ passes (``tier.calibration.measure_path``), driven with the engine geometry of t
 the tier's ``qos=`` cap, best of two each. Whether reads and writes share one limit is
 calibration's rule (``tier.calibration.classify_shared_rw``), so the bench and
 ``megatron-mlp calibrate`` measure and label a tier alike. On a real tier, optionally, its bandwidth
-alongside the Adam kernel (``bench.alongside``). The references a step is held to come from these
-passes: ``io_time_bound`` per tier and ``policy_reference`` over all of them.
+alongside the Adam kernel (``bench.alongside``). The references a step is held to are the
+placement model's, on these passes (``optim.placement.reference``).
 """
 from __future__ import annotations
 
@@ -56,33 +56,6 @@ def calib_bytes(spec: TierSpec, calib: int) -> int:
     if spec.qos_bytes_per_s:
         return max(4096, min(calib, int(spec.qos_bytes_per_s)))
     return calib
-
-
-
-def io_time_bound(read_bytes: float, write_bytes: float, bw: dict) -> float:
-    """Least time a tier needs to read and write these bytes at its measured bandwidths."""
-    r, w = read_bytes / bw["read_bytes_per_s"], write_bytes / bw["write_bytes_per_s"]
-    serial = r + w
-    overlapped = max(r, w, (read_bytes + write_bytes) / bw["concurrent_bytes_per_s"])
-    return min(serial, overlapped)
-
-
-def policy_reference(state_bytes: float, host_bytes: float, bandwidth: list[dict]) -> float:
-    """The update time of a fluid schedule under MLP-Offload's byte policy on these bandwidths.
-
-    Every byte of state that the host (``host_bytes``: the cache and the working buffers carrying
-    subgroups into the next step) cannot hold is written once per step and read once; nothing else
-    moves (the alternating order lets the held bytes skip both). The reference lets the host hold any
-    fraction of a subgroup and spreads the bytes over the tiers as a fluid, each tier taking the
-    share it moves in the same time. A reference, not a bound: the bandwidths are passes measured
-    before and after the steps, and a step can meet a faster minute of the device.
-    """
-    moved = max(0.0, state_bytes - host_bytes)
-    if not moved:
-        return 0.0
-    # Bytes per second of "read once + write once" each tier sustains alone, added up.
-    return moved / sum(1.0 / io_time_bound(1.0, 1.0, bw) for bw in bandwidth)
-
 
 
 def faster_of(before: dict, after: dict | None) -> dict:

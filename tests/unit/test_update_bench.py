@@ -12,6 +12,7 @@ import pytest
 
 from megatron_mlp.bench import update, update_rank, update_report, update_result, update_tiers
 from megatron_mlp.errors import ConfigError
+from megatron_mlp.optim.placement.reference import fluid_update_seconds, tier_io_seconds
 from megatron_mlp.tier.calibration import classify_shared_rw
 
 
@@ -163,20 +164,20 @@ def test_bench_update_rejects_a_missing_path_naming_the_flag(disk_dir):
         update.main(["--paths", os.path.join(disk_dir, "nope"), "--num-params", "1000"])
 
 
-def test_io_time_bound_adds_reads_and_writes_on_a_shared_limit_and_overlaps_them_otherwise():
+def test_the_io_reference_adds_reads_and_writes_on_a_shared_limit_and_overlaps_them_otherwise():
     disk = {"read_bytes_per_s": 1.0, "write_bytes_per_s": 2.0, "concurrent_bytes_per_s": 1.0}
     duplex = {"read_bytes_per_s": 1.0, "write_bytes_per_s": 1.0, "concurrent_bytes_per_s": 2.0}
-    assert update_tiers.io_time_bound(4, 4, disk) == pytest.approx(4 / 1 + 4 / 2)
-    assert update_tiers.io_time_bound(4, 4, duplex) == pytest.approx(4)
+    assert tier_io_seconds(4, 4, disk) == pytest.approx(4 / 1 + 4 / 2)
+    assert tier_io_seconds(4, 4, duplex) == pytest.approx(4)
 
 
-def test_policy_reference_splits_the_uncached_bytes_so_every_tier_finishes_together():
+def test_the_fluid_reference_splits_the_uncached_bytes_so_every_tier_finishes_together():
     disk = {"read_bytes_per_s": 1.0, "write_bytes_per_s": 2.0, "concurrent_bytes_per_s": 1.0}   # 1.5 s per byte
     duplex = {"read_bytes_per_s": 1.0, "write_bytes_per_s": 1.0, "concurrent_bytes_per_s": 2.0}  # 1 s per byte
     # 10 bytes of state, 4 cached: 6 bytes each way at 1/1.5 + 1/1 bytes/s together.
-    assert update_tiers.policy_reference(10, 4, [disk, duplex]) == pytest.approx(6 / (1 / 1.5 + 1))
-    assert update_tiers.policy_reference(10, 4, [disk]) == pytest.approx(6 * 1.5)
-    assert update_tiers.policy_reference(10, 12, [disk]) == 0.0   # all of it in host memory
+    assert fluid_update_seconds(10, 4, [disk, duplex]) == pytest.approx(6 / (1 / 1.5 + 1))
+    assert fluid_update_seconds(10, 4, [disk]) == pytest.approx(6 * 1.5)
+    assert fluid_update_seconds(10, 12, [disk]) == 0.0   # all of it in host memory
 
 
 def test_zero3_baseline_computes_the_same_adamw_as_torch(disk_dir):

@@ -8,6 +8,7 @@
 * :mod:`.solve`: :func:`plan_placement` and the tier of each of the optimizer's subgroups;
 * :mod:`.simulate`: the step with a full host pool, event by event;
 * :mod:`.report`: the plan as a table;
+* :mod:`.reference`: the model's yardsticks from measured bandwidths (``bench update``'s references);
 * :mod:`.plan_cli`: ``megatron-mlp plan``, on the same functions as the optimizer.
 
 Pure Python, no I/O beyond reading free space.
