@@ -28,8 +28,10 @@ namespace mlp {
 
 struct EngineOptions {
     std::string backend = "auto";  // "auto" | "io_uring" | "threads"
-    uint64_t block_bytes = 1u << 20;
-    unsigned queue_depth = 8;
+    // The I/O geometry of megatron_mlp.engine.defaults (why these values: see there); the Python
+    // face always passes its own, tests/unit/test_engine_defaults.py keeps the two equal.
+    uint64_t block_bytes = 8u << 20;
+    unsigned queue_depth = 32;
     unsigned num_threads = 4;
     uint64_t read_limit_bytes_per_s = 0;   // 0 = uncapped
     uint64_t write_limit_bytes_per_s = 0;
