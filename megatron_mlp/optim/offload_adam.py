@@ -166,7 +166,7 @@ class OffloadAdam:
         ``clip_coef``, and skips the step (``found_inf=True``) when any rank found inf/nan.
         """
         from megatron_mlp.optim.fused_adam import grad_stats
-        self._check_grads(grads)
+        _check_flat("grads", grads, self.numel)
         sumsq, nonfinite = grad_stats(grads)
         return float(sumsq), bool(nonfinite)
 
@@ -210,12 +210,9 @@ class OffloadAdam:
                 f"OffloadAdam: a step stopped part-way ({self._partial_step}); some subgroups were updated and "
                 "others not, so stepping again would apply that step twice to some. Restore the state from the "
                 "last checkpoint (load_state_dict, or restart from it with Megatron's --load) before the next step")
-        self._check_grads(grads)
+        _check_flat("grads", grads, self.numel)
         if params_out is not None:
-            if params_out.numel() != self.numel or params_out.dtype not in GRAD_DTYPES \
-                    or params_out.device.type != "cpu" or not params_out.is_contiguous():
-                raise ValueError(f"params_out: expected a contiguous CPU bf16/fp16/fp32 tensor of {self.numel} "
-                                 f"elements, got {params_out.dtype} {tuple(params_out.shape)} on {params_out.device}")
+            _check_flat("params_out", params_out, self.numel)
         t_step = time.perf_counter()
         # One entry per configured path, in --mlp-offload-paths order (zeros for a path holding none).
         store_of = self.tiers.store_of
@@ -370,14 +367,6 @@ class OffloadAdam:
     def __exit__(self, *exc):
         self.close()
 
-    def _check_grads(self, grads) -> None:
-        if not isinstance(grads, torch.Tensor) or grads.dtype not in GRAD_DTYPES or grads.device.type != "cpu" \
-                or grads.numel() != self.numel or not grads.is_contiguous():
-            desc = (f"{grads.dtype} {tuple(grads.shape)} on {grads.device}" if isinstance(grads, torch.Tensor)
-                    else type(grads).__name__)
-            raise ValueError(f"grads: expected a contiguous CPU bf16/fp16/fp32 tensor of {self.numel} "
-                             f"elements, got {desc}")
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("OffloadAdam is closed")
@@ -387,6 +376,15 @@ class OffloadAdam:
         Megatron layer restores them after a checkpoint load, whose tensors come through write_range."""
         for group_state in self.state.values():
             group_state["step"] = int(steps)
+
+
+def _check_flat(name: str, t, numel: int) -> None:
+    """``t`` is a flat host tensor the kernel can read or write in place: contiguous, on the CPU,
+    bf16 | fp16 | fp32, ``numel`` elements. Raises ValueError naming ``name`` and what it got."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in GRAD_DTYPES or t.device.type != "cpu" \
+            or t.numel() != numel or not t.is_contiguous():
+        desc = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected a contiguous CPU bf16/fp16/fp32 tensor of {numel} elements, got {desc}")
 
 
 def _with_defaults(param_groups: list, num_ranges: int) -> list:

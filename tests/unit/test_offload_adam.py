@@ -390,6 +390,11 @@ def test_bad_gradient_is_rejected_naming_what_was_expected(tier_dirs):
             opt.step(torch.zeros(N - 1, dtype=torch.bfloat16))
         with pytest.raises(ValueError, match="grads: expected"):
             opt.step(torch.zeros(N, dtype=torch.int32))
+        good = torch.zeros(N, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=rf"params_out: expected .* got torch.bfloat16 \({N // 2}, 2\)"):
+            opt.step(good, torch.zeros(2, N // 2, dtype=torch.bfloat16).t())   # N elements, not contiguous
+        with pytest.raises(ValueError, match="params_out: expected .* got list"):
+            opt.step(good, [0.0] * N)
 
 
 def test_subgroups_of_a_free_tier_go_first_when_another_rank_holds_a_tiers_token(tier_dirs, tmp_path):
