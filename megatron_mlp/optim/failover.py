@@ -32,8 +32,8 @@ logger = logging.getLogger("megatron_mlp.optim.failover")
 
 
 @dataclass
-class FailoverStats:
-    """Cumulative over the optimizer's life; ``as_dict`` goes into ``last_step_stats['failover']``."""
+class FailoverReport:
+    """What one ``take_out_of_service`` did: the tiers it took out and where their subgroups went."""
 
     failed_tiers: list = field(default_factory=list)     # [{"path", "reason"}]
     subgroups_moved: int = 0
@@ -41,26 +41,35 @@ class FailoverStats:
     bytes_moved: int = 0
     events: list = field(default_factory=list)           # human-readable, one per failed tier
 
+
+@dataclass
+class FailoverStats(FailoverReport):
+    """The reports summed over the optimizer's life; ``as_dict`` goes into
+    ``last_step_stats['failover']``."""
+
+    def add(self, report: FailoverReport) -> None:
+        self.failed_tiers += report.failed_tiers
+        self.subgroups_moved += report.subgroups_moved
+        self.subgroups_in_host += report.subgroups_in_host
+        self.bytes_moved += report.bytes_moved
+        self.events += report.events
+
     def as_dict(self) -> dict:
         return {"failed_tiers": list(self.failed_tiers), "subgroups_moved": self.subgroups_moved,
                 "subgroups_in_host": self.subgroups_in_host, "bytes_moved": self.bytes_moved,
                 "events": list(self.events)}
 
 
-@dataclass
-class FailoverReport:
-    """What one ``take_out_of_service`` did (its tiers, cumulative figures stay in ``FailoverStats``)."""
-
-    failed_paths: list = field(default_factory=list)
-    subgroups_moved: int = 0
-    subgroups_in_host: int = 0
-
-
-def take_out_of_service(residency, tiers, plan, stats: FailoverStats, stores_and_reasons) -> FailoverReport:
-    """Fail over every given ``(store, reason)``; raise TierFailure when state could not be placed.
+def take_out_of_service(residency, tiers, plan, stores_and_reasons, earlier: tuple[str, ...] = ()) -> FailoverReport:
+    """Fail over every given ``(store, reason)``, and the tiers that fail while taking their subgroups.
 
     Called between steps (no I/O in flight). Moves subgroups through ``tiers`` (a ``TierStores``)
-    and host buffers through ``residency``; adds to ``stats``.
+    and host buffers through ``residency``; ``earlier``: the paths of tiers failed before, named
+    with these in a TierFailure.
+
+    Raises:
+        TierFailure: some state could be placed on no healthy tier within the host budget, or not
+            read back at all; its ``report`` is what was done before.
     """
     report = FailoverReport()
     queue = list(stores_and_reasons)
@@ -71,8 +80,7 @@ def take_out_of_service(residency, tiers, plan, stats: FailoverStats, stores_and
         if store.failed:
             continue
         store.failed = reason
-        stats.failed_tiers.append({"path": store.path, "reason": reason})
-        report.failed_paths.append(store.path)
+        report.failed_tiers.append({"path": store.path, "reason": reason})
         moved = in_host = 0
         subgroups = [plan[i] for i, t in enumerate(tiers.tier_of) if t == store.index and i not in residency.pinned]
         for sg in subgroups:
@@ -84,25 +92,23 @@ def take_out_of_service(residency, tiers, plan, stats: FailoverStats, stores_and
             if target is not None:
                 tiers.move(sg.index, target)
                 moved += 1
-                stats.bytes_moved += sg.region_bytes
+                report.bytes_moved += sg.region_bytes
                 residency.stored_elsewhere(sg.index, buf, owned)
                 continue
             # No healthy tier can take it: host memory, within the cache budget if possible.
             in_host += 1
             if not residency.pin(sg.index, buf):
                 held_over_budget.append(sg.index)
-        stats.subgroups_moved += moved
-        stats.subgroups_in_host += in_host
         report.subgroups_moved += moved
         report.subgroups_in_host += in_host
         msg = (f"tier {store.path} taken out of service ({reason}); {moved} subgroups moved to other tiers, "
                f"{in_host} kept in host memory")
-        stats.events.append(msg)
+        report.events.append(msg)
         logger.warning("MLP-Offload failover: %s", msg)
         if not tiers.holds_any(store):
             tiers.retire(store)   # everything moved; kept otherwise (its good slots are a fallback)
     if held_over_budget or unreadable:
-        failed = ", ".join(t["path"] for t in stats.failed_tiers)
+        failed = ", ".join([*earlier, *(t["path"] for t in report.failed_tiers)])
         parts = []
         if held_over_budget:
             parts.append(f"subgroups {sorted(residency.pinned)} are held in host memory beyond the cache the host "
@@ -111,8 +117,10 @@ def take_out_of_service(residency, tiers, plan, stats: FailoverStats, stores_and
         if unreadable:
             parts.append(f"subgroups {sorted(unreadable)} could not be read back from the failed tier and are not "
                          f"in host memory: restore them from the last checkpoint")
-        raise TierFailure(errno.EIO, f"no healthy tier can take the optimizer state (failed: {failed}); "
-                          + "; ".join(parts), held_in_host=sorted(residency.pinned), unreadable=sorted(unreadable))
+        error = TierFailure(errno.EIO, f"no healthy tier can take the optimizer state (failed: {failed}); "
+                            + "; ".join(parts), held_in_host=sorted(residency.pinned), unreadable=sorted(unreadable))
+        error.report = report
+        raise error
     return report
 
 

@@ -252,9 +252,11 @@ class OffloadAdam:
         self.last_step_stats = stats.as_dict()
         failing = self.tiers.failing(failed_flushes)
         if failing:
+            earlier = tuple(t["path"] for t in self.failover.failed_tiers)
             try:
-                take_out_of_service(self.residency, self.tiers, self.plan, self.failover, failing)
+                self.failover.add(take_out_of_service(self.residency, self.tiers, self.plan, failing, earlier))
             except TierFailure as e:
+                self.failover.add(e.report)
                 self._halted = e
                 e.step_completed = True   # every subgroup was updated and handed out (params_out)
                 raise

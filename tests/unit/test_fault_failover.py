@@ -125,6 +125,10 @@ def test_tier_failure_with_no_tier_left_stops_after_a_complete_step_and_keeps_st
         exc = info.value
         assert exc.state_complete and len(exc.held_in_host) == len(opt.plan)
         assert disk_dir in str(exc) and "--mlp-offload-host-memory" in str(exc)
+        # What the failover did before it gave up comes with the error and is in the step's stats.
+        assert [t["path"] for t in exc.report.failed_tiers] == [disk_dir]
+        assert exc.report.subgroups_in_host == len(opt.plan) and exc.report.subgroups_moved == 0
+        assert opt.last_step_stats["failover"]["subgroups_in_host"] == len(opt.plan)
         # The step completed in memory: the state equals the reference (what a checkpoint saves).
         assert_same(opt, ref)
         sd = opt.state_dict()
@@ -277,4 +281,24 @@ def test_a_full_tmpfs_cannot_take_failed_over_subgroups_so_they_stay_in_host_mem
         steps(opt, ref, 2, 5)
         fo = opt.last_step_stats["failover"]
         assert fo["failed_tiers"][0]["path"] == disk_dir and fo["subgroups_in_host"] == len(on_disk)
+        assert_same(opt, ref)
+
+
+def test_a_second_failover_adds_to_the_first_and_its_error_names_every_failed_tier(two_tiers):
+    opt, ref, engines = build(two_tiers, host_cache_bytes=0)
+    with opt:
+        steps(opt, ref, 0, 2)
+        engines.of(two_tiers[0]).inject_fault(nth=1, err=errno.EIO, op="write", every=True)
+        steps(opt, ref, 2, 3)     # the first tier's subgroups move to the second
+        first = opt.last_step_stats["failover"]
+        assert [t["path"] for t in first["failed_tiers"]] == [two_tiers[0]] and first["subgroups_moved"] > 0
+        engines.of(two_tiers[1]).inject_fault(nth=1, err=errno.EIO, op="write", every=True)
+        with pytest.raises(TierFailure) as info:
+            opt.step(grads(3))
+        ref.step(grads(3))
+        assert two_tiers[0] in str(info.value) and two_tiers[1] in str(info.value)
+        assert [t["path"] for t in info.value.report.failed_tiers] == [two_tiers[1]]
+        both = opt.last_step_stats["failover"]
+        assert [t["path"] for t in both["failed_tiers"]] == two_tiers
+        assert both["subgroups_moved"] == first["subgroups_moved"] and both["subgroups_in_host"] == len(opt.plan)
         assert_same(opt, ref)
