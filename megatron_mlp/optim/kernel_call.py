@@ -18,6 +18,7 @@ from megatron_mlp.optim.subgroups import Subgroup
 
 logger = logging.getLogger("megatron_mlp.optim.offload_adam")
 
+
 @dataclass
 class StepInputs:
     """What one ``OffloadAdam.step`` hands to every subgroup's update."""
