@@ -95,3 +95,25 @@ def test_completed_steps_set_after_a_load_drive_the_next_bias_correction(disk_di
     finally:
         stepped.close()
         told.close()
+
+
+def test_the_demo_baseline_counts_completed_steps_in_its_bias_correction(disk_dir):
+    """ZeroStyleAdam told it has taken 3 steps updates as torch's AdamW does at its 4th step from
+    the same params and moments (zero here)."""
+    told = _build("ZeroStyleAdam", disk_dir)
+    try:
+        told.set_completed_steps(3)
+        grads = torch.full((told.numel,), 0.25, dtype=torch.float32)
+        got = torch.empty(told.numel, dtype=torch.float32)
+        told.step(grads, got)
+    finally:
+        told.close()
+    init = torch.linspace(-1, 1, RANGES[-1][1])
+    for (s, e), group in zip(RANGES, _groups()):
+        p = torch.nn.Parameter(init[s:e].clone())
+        ref = torch.optim.AdamW([p], lr=group["lr"], weight_decay=group["weight_decay"], foreach=False)
+        ref.state[p] = {"step": torch.tensor(3.0), "exp_avg": torch.zeros_like(p),
+                        "exp_avg_sq": torch.zeros_like(p)}
+        p.grad = grads[s:e].clone()
+        ref.step()
+        assert torch.allclose(got[s:e], p.detach(), rtol=0, atol=1e-6), f"group [{s}, {e})"
