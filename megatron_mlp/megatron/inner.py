@@ -135,7 +135,6 @@ class OffloadInner:
             self._start_grad_copies(self._grad_chunks())
         t1 = time.perf_counter()
         waited = [0.0]
-        pending = []
 
         def grads_ready(start: int, end: int) -> None:
             w0 = time.perf_counter()
@@ -144,7 +143,8 @@ class OffloadInner:
 
         def on_subgroup_done(start: int, end: int) -> None:
             # Start the H2D copy of the finished slice while Adam works on the next subgroup.
-            pending.extend(self._copy_params_to_device(start, end))
+            # Every offload optimizer hands each finished slice back (optim.protocol.OffloadOptimizer).
+            self._copy_params_to_device(start, end)
 
         try:
             self.offload.step(self._grads_host, self._params_host, inv_loss_scale=self.inv_loss_scale,
@@ -163,9 +163,6 @@ class OffloadInner:
             # H2D copies' tail after it can be read off the GPU's clock.
             self._timing["kernels_done"] = self._record_event(self._d2h_stream)
             self._timing["kernels_done_host"] = time.perf_counter()
-        if not pending and self._numel:
-            # An offload optimizer that does not call back: copy everything at the end.
-            self._copy_params_to_device(0, self._numel)
         if self._h2d_stream is not None:
             torch.cuda.current_stream().wait_stream(self._h2d_stream)
         t2 = time.perf_counter()
