@@ -41,8 +41,6 @@ logger = logging.getLogger("megatron_mlp.optim.offload_adam")
 GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_DICT_FORMAT = "megatron_mlp.OffloadAdam/1"
 _DEFAULTS = {"weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8}
-# Importable from here as before (the harness and tests build engines the way the optimizer does).
-_default_engine_factory, _default_token_factory = default_engine_factory, default_token_factory
 __all__ = ["OffloadAdam", "LazyStateChunk", "GRAD_DTYPES", "STATE_DICT_FORMAT"]
 
 

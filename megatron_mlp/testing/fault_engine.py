@@ -95,8 +95,8 @@ class FaultyEngines:
     """
 
     def __init__(self, config, hanging: bool = False):
-        from megatron_mlp.optim.offload_adam import _default_engine_factory
-        self._make = _default_engine_factory(config)
+        from megatron_mlp.optim.tier_stores import default_engine_factory
+        self._make = default_engine_factory(config)
         self.hanging = hanging
         self.engines = []
         self.by_path: dict[str, list] = {}

@@ -80,10 +80,10 @@ def test_two_paths_on_one_device_start_with_a_warning_naming_both(disk_dir, capl
 
 def test_a_tier_failing_to_start_removes_the_scratch_of_the_tiers_already_set_up(disk_dir, shm_dir):
     from megatron_mlp.errors import EngineUnavailable
-    from megatron_mlp.optim.offload_adam import _default_engine_factory
+    from megatron_mlp.optim.tier_stores import default_engine_factory
     config = MLPOffloadConfig.from_paths(f"{disk_dir};{shm_dir}", subgroup_params=1000, use_tokens=False,
                                          calibration="off")
-    real = _default_engine_factory(config)
+    real = default_engine_factory(config)
 
     def engines(spec):   # e.g. --mlp-offload-io-backend io_uring on a node whose kernel refuses it
         if spec.path == shm_dir:

@@ -108,8 +108,8 @@ class FaultyEngines:
     """engine_factory that keeps the engines so a test can inject faults into them."""
 
     def __init__(self, config):
-        from megatron_mlp.optim.offload_adam import _default_engine_factory
-        self._make = _default_engine_factory(config)
+        from megatron_mlp.optim.tier_stores import default_engine_factory
+        self._make = default_engine_factory(config)
         self.engines = []
 
     def __call__(self, spec):

@@ -218,14 +218,14 @@ def test_a_streamed_flush_whose_piece_fails_keeps_the_previous_copy_as_the_good_
 
 def make(disk_dir, wrap_engine=None, ranges=RANGES, groups=GROUPS, **cfg):
     """An optimizer on ``disk_dir`` and its reference; ``wrap_engine(engine)`` wraps each real engine."""
-    from megatron_mlp.optim.offload_adam import _default_engine_factory
+    from megatron_mlp.optim.tier_stores import default_engine_factory
     cfg.setdefault("prefetch_depth", 1)
     cfg.setdefault("flush_depth", 1)
     config = MLPOffloadConfig.from_paths(disk_dir, subgroup_params=SUB, block_bytes=BLOCK, use_tokens=False,
                                          host_cache_bytes=0, **cfg)
     factory = None
     if wrap_engine is not None:
-        make_engine = _default_engine_factory(config)
+        make_engine = default_engine_factory(config)
         factory = lambda spec: wrap_engine(make_engine(spec))  # noqa: E731
     init = torch.randn(ranges[-1][1], generator=torch.Generator().manual_seed(1))
     opt = OffloadAdam(config, ranges, [dict(g) for g in groups], init, engine_factory=factory)

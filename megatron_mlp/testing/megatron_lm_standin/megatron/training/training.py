@@ -133,10 +133,10 @@ def _token_witness(args):
     """Which ranks a tier token blocks: each node's first rank in turn holds the last tier's token
     while every other rank, one at a time, tries to take it. Returns {holder node: {rank: got it}}."""
     from megatron_mlp.megatron.arguments import config_from_args
-    from megatron_mlp.optim.offload_adam import _default_token_factory
+    from megatron_mlp.optim.tier_stores import default_token_factory
 
     config = config_from_args(args)
-    token = _default_token_factory(config)(config.tiers[-1])
+    token = default_token_factory(config)(config.tiers[-1])
     node, local = _node_and_local_rank()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     where = [None] * world
