@@ -293,13 +293,8 @@ class StepPipeline:
                 reads[t] = reads.get(t, 0) + nbytes
             if idx not in self.keep:
                 writes[t] = writes.get(t, 0) + nbytes
-        left = {}
-        for t in set(reads) | set(writes):
-            tier = self.placement_tiers[t]
-            r = reads.get(t, 0) / tier.read_bytes_per_s
-            w = writes.get(t, 0) / tier.write_bytes_per_s
-            left[t] = r + w if tier.shared_rw_limit else max(r, w)
-        return left
+        return {t: self.placement_tiers[t].io_seconds(reads.get(t, 0), writes.get(t, 0))
+                for t in set(reads) | set(writes)}
 
     def _reap(self, block: bool) -> None:
         if not self.flushing:

@@ -318,3 +318,11 @@ def test_small_plans_are_the_best_of_every_possible_layout(seed):
     best = min(_time_of(layout, sizes, tiers, cache, warm) for layout in itertools.product(range(ntiers), repeat=n))
     assert p.total_seconds == pytest.approx(best, rel=1e-9)
     assert _time_of(p.tier_of, sizes, tiers, cache, warm) == pytest.approx(p.total_seconds, rel=1e-12)
+
+
+def test_a_tiers_io_time_adds_reads_and_writes_on_a_shared_limit_and_overlaps_them_on_separate_ones():
+    disk = PlacementTier("/disk", read_bytes_per_s=2.0, write_bytes_per_s=4.0, shared_rw_limit=True)
+    duplex = PlacementTier("/pfs", read_bytes_per_s=2.0, write_bytes_per_s=4.0, shared_rw_limit=False)
+    assert disk.io_seconds(4, 4) == pytest.approx(4 / 2 + 4 / 4)
+    assert duplex.io_seconds(4, 4) == pytest.approx(4 / 2)
+    assert duplex.io_seconds(0, 12) == pytest.approx(3)

@@ -80,6 +80,12 @@ class PlacementTier:
         if self.ranks_sharing is not None and self.ranks_sharing < 1:
             raise ConfigError(f"{self.path}: ranks_sharing={self.ranks_sharing} must be >= 1")
 
+    def io_seconds(self, read_bytes: float, write_bytes: float) -> float:
+        """Time this tier's node bandwidth needs for these bytes: reads and writes add up on a shared
+        limit and overlap on separate ones (the rule ``_Model.time`` applies per rank)."""
+        r, w = read_bytes / self.read_bytes_per_s, write_bytes / self.write_bytes_per_s
+        return r + w if self.shared_rw_limit else max(r, w)
+
 
 @dataclass(frozen=True)
 class Placement:
