@@ -26,7 +26,7 @@ from megatron_mlp.config import MLPOffloadConfig
 from megatron_mlp.errors import ConfigError, TierCapacityError
 from megatron_mlp.optim.host_memory import MIN_WORKING_BUFFERS
 from megatron_mlp.optim.placement.report import format_shared_load
-from megatron_mlp.optim.placement.solve import place
+from megatron_mlp.optim.placement.node import place_node
 from megatron_mlp.optim.placement.tiers import resolve_tiers
 from megatron_mlp.optim.placement.traffic import step_traffic
 from megatron_mlp.optim.subgroups import SubgroupPlan
@@ -152,7 +152,8 @@ def make_plan(args) -> dict:
                              cache_path=args.calibration_cache, flag="--paths", num_nodes=args.nodes,
                              create=False, cache_flag="--calibration-cache")
     warnings, notes, mode = list(resolved.warnings), list(resolved.notes), resolved.calibration
-    placement = place(traffic, resolved.tiers, args.ranks_per_node)
+    # The node's placement, every rank's row from one snapshot: the optimizer's own call.
+    placement = place_node([traffic] * args.ranks_per_node, resolved.tiers).row(0)
     return {
         "config": {"paths": [s.path for s in specs], "num_params": num_params, "data_parallel_size": dp,
                    "params_per_rank": shard, "subgroup_params": subgroup_params, "num_subgroups": len(plan),
