@@ -71,6 +71,8 @@ class OffloadAdam:
 
     def __init__(self, config, group_ranges, param_groups, initial_params=None, *, rank: int = 0,
                  ranks_per_node: int = 1, engine_factory=None, token_factory=None, staging_bytes: int = 0):
+        if config.node_memory_bytes:
+            config.replace(node_memory_bytes=0)   # planned for another node: the budget must fit this one
         self.config = config
         self.plan = SubgroupPlan(group_ranges, config.subgroup_params)
         # The one host budget (--mlp-offload-host-memory): the caller's staging, the working
