@@ -7,6 +7,7 @@ CLI, or directly in tests -- validated here, then handed to every component. Not
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import signal
@@ -21,6 +22,54 @@ GRAD_TRANSFERS = ("auto", "bf16")
 BACKENDS = ("auto", "io_uring", "threads")
 CALIBRATION_MODES = ("auto", "off")  # or a path to a calibration JSON file
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.+-]{1,64}$")
+
+# A subgroup is stored as three fp32 arrays, each padded to a 4096-byte page (optim/subgroups.py:
+# Subgroup.region_bytes), in two slots on its tier.
+_PAGE_PARAMS = 4096 // 4
+SUBGROUP_PADDING_BOUND = 0.10
+"""The most padding a subgroup size may add to the state it stores, as a fraction of it. Padding is
+reserved twice on the tier, read and written every step and held in every host buffer, so it costs
+capacity, I/O time and host memory in that proportion. A tenth stays below the spread of the
+tiers' own bandwidth (+-20% measured) and leaves every size from 9,310 params on and every
+multiple of 1024 (no padding at all) usable; 1 param per subgroup would reserve 2048 times its
+state."""
+
+
+def subgroup_padding_fraction(subgroup_params: int) -> float:
+    """Padding per subgroup of ``subgroup_params`` params, as a fraction of its state."""
+    padded = -(-subgroup_params // _PAGE_PARAMS) * _PAGE_PARAMS
+    return (padded - subgroup_params) / subgroup_params
+
+
+def smallest_sensible_subgroup_params(bound: float = SUBGROUP_PADDING_BOUND) -> int:
+    """The smallest size from which on every size pads at most ``bound``: from ``1023 / bound`` on
+    all do (the worst padding, 1023 params per array, falls one above a multiple of 1024), and the
+    sizes just below it that do too."""
+    size = math.ceil((_PAGE_PARAMS - 1) / bound)
+    while size > 1 and subgroup_padding_fraction(size - 1) <= bound:
+        size -= 1
+    return size
+
+
+def check_subgroup_size(subgroup_params: int, flag: str = "--mlp-offload-subgroup-size") -> None:
+    """Refuse a subgroup size whose page padding adds more than :data:`SUBGROUP_PADDING_BOUND` to
+    the state, naming ``flag``, the cost, and the smallest sensible size.
+
+    Raises:
+        ConfigError: the size pads too much.
+    """
+    fraction = subgroup_padding_fraction(subgroup_params)
+    if fraction <= SUBGROUP_PADDING_BOUND:
+        return
+    state = 12 * subgroup_params
+    stored = 12 * (-(-subgroup_params // _PAGE_PARAMS) * _PAGE_PARAMS)
+    raise ConfigError(
+        f"{flag}: {subgroup_params:,} params per subgroup pad each of its three fp32 arrays to a 4096-byte "
+        f"page: {stored:,} bytes stored for {state:,} bytes of state ({2 * stored:,} reserved in two slots on a "
+        f"tier, {stored / state:.3g}x the state); at most {SUBGROUP_PADDING_BOUND:.0%} of padding is accepted. "
+        f"Use a multiple "
+        f"of 1024 params (no padding) or at least {smallest_sensible_subgroup_params():,} (at most "
+        f"{SUBGROUP_PADDING_BOUND:.0%}); 100M is typical")
 
 
 @dataclass(frozen=True)
@@ -108,6 +157,10 @@ class MLPOffloadConfig:
     num_nodes: int = 1
     """No flag: nodes of the job (from the launcher's environment); a ``shared=job`` tier gives each
     node this share of its bandwidth and capacity."""
+    node_memory_bytes: int = 0
+    """No flag: the host memory of the node the ranks run on, which one rank's budget must fit (0: this
+    machine's). Only ``megatron-mlp plan --node-memory`` sets it, to plan for a compute node from
+    elsewhere; the optimizer always checks the machine it runs on."""
     exit_signal_handler: bool = False
     """Megatron-LM's --exit-signal-handler: when tiers fail for good after a completed step, the
     optimizer sends ``exit_signal`` to its own process, so that Megatron saves a checkpoint and exits;
@@ -119,16 +172,19 @@ class MLPOffloadConfig:
         if not self.tiers:
             raise ConfigError("--mlp-offload-paths: at least one storage path is required")
         _positive("--mlp-offload-subgroup-size", self.subgroup_params)
+        check_subgroup_size(self.subgroup_params)
         _non_negative("--mlp-offload-host-memory", self.host_memory_bytes)
         _non_negative("host_cache_bytes", self.host_cache_bytes)
         if self.host_memory_bytes and self.host_cache_bytes:
             raise ConfigError(f"--mlp-offload-host-memory: {self.host_memory_bytes} is the whole budget, cache "
                               f"included; host_cache_bytes ({self.host_cache_bytes}) cannot be given with it")
-        memory = _physical_memory_bytes()
+        _non_negative("node_memory_bytes", self.node_memory_bytes)
+        memory = self.node_memory_bytes or _physical_memory_bytes()
+        machine = "the node's" if self.node_memory_bytes else "this machine's"
         for name, value in (("--mlp-offload-host-memory", self.host_memory_bytes),
                             ("host_cache_bytes", self.host_cache_bytes)):
             if memory and value > memory:
-                raise ConfigError(f"{name}: {value} bytes is more than this machine's memory ({memory} bytes) "
+                raise ConfigError(f"{name}: {value} bytes is more than {machine} memory ({memory} bytes) "
                                   f"for one rank; give each rank a share of the host memory")
         _non_negative("--mlp-offload-prefetch-depth", self.prefetch_depth)
         _positive("--mlp-offload-flush-depth", self.flush_depth)

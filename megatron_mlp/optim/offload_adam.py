@@ -36,6 +36,7 @@ from megatron_mlp.optim.step_pipeline import StepPipeline
 from megatron_mlp.optim.subgroups import SubgroupPlan, piece_params_for
 from megatron_mlp.optim.tier_stores import (TierStores, check_tiers_and_sizes, clean_stale_scratch,
                                             default_engine_factory, default_token_factory)
+from megatron_mlp.tier.free_space import node_snapshot
 
 logger = logging.getLogger("megatron_mlp.optim.offload_adam")
 GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -70,6 +71,8 @@ class OffloadAdam:
 
     def __init__(self, config, group_ranges, param_groups, initial_params=None, *, rank: int = 0,
                  ranks_per_node: int = 1, engine_factory=None, token_factory=None, staging_bytes: int = 0):
+        if config.node_memory_bytes:
+            config.replace(node_memory_bytes=0)   # planned for another node: the budget must fit this one
         self.config = config
         self.plan = SubgroupPlan(group_ranges, config.subgroup_params)
         # The one host budget (--mlp-offload-host-memory): the caller's staging, the working
@@ -85,14 +88,16 @@ class OffloadAdam:
         self.last_step_stats: dict = {}
         self.flush_errors: list[str] = []
 
-        # Paths checked (and created) first: the placement needs each one's free space.
-        free = check_tiers_and_sizes(config, self.plan)   # nothing starts half-configured
-        tier_of = assign_subgroups(self.plan, config, ranks_per_node, free, self.host_memory)
-        self.placement_tiers = placement_tiers(config, ranks_per_node, free)   # bandwidths, for the schedule
+        # Paths checked (and created) first, crashed jobs' scratch removed: then the node's
+        # free-space snapshot, the same on every rank of the node (tier/free_space.py).
+        check_tiers_and_sizes(config, self.plan)   # nothing starts half-configured
+        self.stale_scratch = clean_stale_scratch(config.tiers)
+        rooms = node_snapshot([spec.path for spec in config.tiers], config.job_id, rank)
+        tier_of = assign_subgroups(self.plan, config, ranks_per_node, memory=self.host_memory, rooms=rooms, rank=rank)
+        self.placement_tiers = placement_tiers(config, ranks_per_node, rooms=rooms)   # bandwidths, for the schedule
         self.failover = FailoverStats()
         self._halted: TierFailure | None = None
         self._partial_step: str | None = None   # why the last step stopped part-way, until a restore
-        self.stale_scratch = clean_stale_scratch(config.tiers)
         from megatron_mlp.tier.scratch import install_sigterm_cleanup
         install_sigterm_cleanup()   # SIGTERM with no handler of its own removes the scratch; chains otherwise
         self.tiers = TierStores(config, self.plan, tier_of, rank=rank,

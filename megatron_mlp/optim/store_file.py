@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from megatron_mlp.errors import TierCapacityError, TierIOError
 from megatron_mlp.optim.subgroups import Subgroup
 from megatron_mlp.optim.placement.model import SLOTS_PER_SUBGROUP
+from megatron_mlp.tier.free_space import room_of
 from megatron_mlp.tier.scratch import create_scratch_dir, reserve_space
 from megatron_mlp.tier.spec import shares_rw_limit
 from megatron_mlp.tier.validation import usable_capacity_bytes
@@ -56,14 +57,17 @@ def open_tier_file(spec, subgroups: list[Subgroup], *, engine_factory, job_tag: 
     """
     need = SLOTS_PER_SUBGROUP * sum(sg.region_bytes for sg in subgroups)
     try:
-        free = os.statvfs(spec.path)
+        os.statvfs(spec.path)
     except OSError as e:
         raise TierIOError(e.errno, "--mlp-offload-paths: cannot use tier path", spec.path) from e
-    free_bytes = usable_capacity_bytes(spec.capacity_bytes, free.f_bavail * free.f_frsize)   # as placed
-    if need > free_bytes:
+    room = room_of(spec.path)   # every byte the scratch takes, as the placement counted it
+    free_bytes = usable_capacity_bytes(spec.capacity_bytes, room.free_bytes)
+    reserve = room.reserve_bytes(free_bytes)
+    if need + reserve > free_bytes:
         raise TierCapacityError(
-            f"--mlp-offload-paths: tier {spec.path} needs {need} bytes for {len(subgroups)} subgroups "
-            f"(two slots each) but has {free_bytes} free; {need - free_bytes} bytes are missing")
+            f"--mlp-offload-paths: tier {spec.path} needs {need + reserve} bytes for {len(subgroups)} subgroups "
+            f"(two slots each) and its scratch dir ({reserve}) but has {free_bytes} free; "
+            f"{need + reserve - free_bytes} bytes are missing")
     try:
         scratch_dir = create_scratch_dir(spec.path, job_tag, job_id=job_id, rank=rank)   # 0700, locked
         file_path = scratch_dir.file(STATE_FILE)                                           # 0600, O_EXCL|O_NOFOLLOW

@@ -102,9 +102,9 @@ def test_state_larger_than_every_tier_fails_before_training_naming_the_missing_b
 
 def test_a_subgroup_size_absurdly_small_for_the_model_is_warned_about_naming_the_flag(disk_dir, caplog):
     with caplog.at_level(logging.WARNING):
-        with _opt([disk_dir], subgroup_params=100):
+        with _opt([disk_dir], subgroup_params=1000):
             pass
-    assert "--mlp-offload-subgroup-size: 100 elements" in caplog.text
+    assert "--mlp-offload-subgroup-size: 1000 elements" in caplog.text
 
 
 def test_a_calibration_file_that_does_not_exist_is_refused_naming_flag_and_file_when_the_config_is_built(tmp_path):

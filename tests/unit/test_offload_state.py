@@ -52,9 +52,9 @@ def test_write_range_rejects_a_tensor_of_the_wrong_size(tier_dirs):
 
 @pytest.mark.parametrize("save_layout,load_layout", [
     (dict(num_tiers=1, subgroup_params=1000, host_cache_bytes=0),
-     dict(num_tiers=2, subgroup_params=2345, host_cache_bytes=3 * 4 * 3072)),
+     dict(num_tiers=2, subgroup_params=2900, host_cache_bytes=3 * 4 * 3072)),
     (dict(num_tiers=2, subgroup_params=4096, host_cache_bytes=10**9),
-     dict(num_tiers=1, subgroup_params=700, host_cache_bytes=0)),
+     dict(num_tiers=1, subgroup_params=950, host_cache_bytes=0)),
 ])
 def test_state_dict_saved_under_one_layout_loads_into_another(tier_dirs, tmp_path, save_layout, load_layout):
     save_layout, load_layout = dict(save_layout), dict(load_layout)
@@ -83,8 +83,8 @@ def test_state_dict_saved_under_one_layout_loads_into_another(tier_dirs, tmp_pat
 
 
 def test_state_dict_streams_directly_between_two_optimizers_chunk_by_chunk(tier_dirs):
-    opt, ref = make(tier_dirs, 1, subgroup_params=1500)
-    other, _ = make(tier_dirs, 2, subgroup_params=2500, init=torch.zeros(N))
+    opt, ref = make(tier_dirs, 1, subgroup_params=1950)
+    other, _ = make(tier_dirs, 2, subgroup_params=2900, init=torch.zeros(N))
     with opt, other:
         for step in range(4):
             g = grads_for(step, torch.float32)

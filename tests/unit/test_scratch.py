@@ -178,7 +178,7 @@ def test_capacity_preflight_names_the_missing_bytes_and_the_tier(disk_dir):
     with pytest.raises(TierCapacityError) as info:
         OffloadAdam(config, [(0, 3000)], [{"lr": 1e-3}])
     msg = str(info.value)
-    assert disk_dir in msg and "bytes are missing" in msg and "--mlp-offload-paths" in msg
+    assert disk_dir in msg and "bytes missing" in msg and "--mlp-offload-paths" in msg
     assert not [n for n in os.listdir(disk_dir) if n.startswith(SCRATCH_PREFIX)]
 
 

@@ -58,6 +58,8 @@ class PlacementTier:
         ranks_sharing: ranks of the node using this tier; None = the ``ranks_per_node`` of the plan.
         device: the physical tier key (for tables only).
         bandwidth_source: where the bandwidth came from: "declared", "measured" or "default".
+        reserve_bytes: bytes each rank that stores anything here takes beyond its slots (its
+            scratch directory, owner record, lock, extent blocks: ``tier.free_space``).
     """
 
     path: str
@@ -68,6 +70,7 @@ class PlacementTier:
     ranks_sharing: int | None = None
     device: str | None = None
     bandwidth_source: str = "declared"
+    reserve_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("read_bytes_per_s", "write_bytes_per_s"):
@@ -77,6 +80,8 @@ class PlacementTier:
                                   "finite bandwidth (declare bw= or calibrate the path)")
         if self.capacity_bytes is not None and self.capacity_bytes < 0:
             raise ConfigError(f"--mlp-offload-paths: {self.path}: capacity {self.capacity_bytes} is negative")
+        if self.reserve_bytes < 0:
+            raise ConfigError(f"{self.path}: reserve_bytes={self.reserve_bytes} must be >= 0")
         if self.ranks_sharing is not None and self.ranks_sharing < 1:
             raise ConfigError(f"{self.path}: ranks_sharing={self.ranks_sharing} must be >= 1")
 
@@ -222,10 +227,12 @@ class _Model:
         self.inv_r = [(t.ranks_sharing or ranks_per_node) / t.read_bytes_per_s for t in tiers]
         self.inv_w = [(t.ranks_sharing or ranks_per_node) / t.write_bytes_per_s for t in tiers]
         self.shared = [t.shared_rw_limit for t in tiers]
-        ranks = [t.ranks_sharing or ranks_per_node for t in tiers]
-        # Capacity is a node figure; each rank has the same layout, so it may use 1/ranks of it. In
-        # bytes of state: every subgroup takes SLOTS_PER_SUBGROUP times its size on the device.
-        self.cap = [math.inf if t.capacity_bytes is None else t.capacity_bytes // r // SLOTS_PER_SUBGROUP
+        self.ranks = ranks = [t.ranks_sharing or ranks_per_node for t in tiers]
+        # Capacity is a node figure (free space and cap= alike); each rank has the same layout, so
+        # it may use 1/ranks of it, less what its scratch takes besides the state. In bytes of
+        # state: every subgroup takes SLOTS_PER_SUBGROUP times its size on the device.
+        self.cap = [math.inf if t.capacity_bytes is None
+                    else max(0, t.capacity_bytes // r - t.reserve_bytes) // SLOTS_PER_SUBGROUP
                     for t, r in zip(tiers, ranks)]
 
     def time(self, j: int, r: float, w: float) -> float:

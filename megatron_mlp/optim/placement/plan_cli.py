@@ -9,24 +9,36 @@ Example::
     megatron-mlp plan --paths "/local/nvme:bw=6GB/s;/lustre/x:bw=200GB/s,shared=job" --num-params 70B \\
         --ranks-per-node 8 --nodes 16 --no-probe
 
+    # from a login node, for compute nodes of 512 GB and 64 cores
+    megatron-mlp plan --paths "/local/nvme:bw=6GB/s" --num-params 7B --ranks-per-node 8 --no-probe \\
+        --host-memory 48GB --node-memory 512GB --node-cores 64
+
 Each rank holds ``num_params / data_parallel_size`` parameters of optimizer state (fp32 param, Adam
 m and v: 12 bytes each), split into the optimizer's subgroups of ``subgroup_params`` (each stored as
 one region of three 4096-aligned arrays); every step reads and writes each subgroup once, except
 what the host cache and, with the alternating order, the optimizer's working buffers save (see
 ``--cache-model`` and ``--working-buffers``). The subgroups, the host budget and the bytes each tier
-moves are the optimizer's own, computed by the same functions.
+moves are the optimizer's own, computed by the same functions, and so is the placement: every
+rank's row from one free-space snapshot, counting each rank's scratch beside its two slots per
+subgroup, with ``cap=`` and the free space shared by the node's ranks.
+
+The budget is checked against the compute node's memory (``--node-memory``, default this
+machine's) and the Adam kernel gets ``--node-cores`` shared by the ranks (default this machine's
+cores): plan for a compute node from a login node. The optimizer itself always checks the machine
+it runs on.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from megatron_mlp.config import MLPOffloadConfig
+from megatron_mlp.config import MLPOffloadConfig, check_subgroup_size
 from megatron_mlp.errors import ConfigError, TierCapacityError
 from megatron_mlp.optim.host_memory import MIN_WORKING_BUFFERS
 from megatron_mlp.optim.placement.report import format_shared_load
-from megatron_mlp.optim.placement.solve import place
+from megatron_mlp.optim.placement.node import place_node
 from megatron_mlp.optim.placement.tiers import resolve_tiers
 from megatron_mlp.optim.placement.traffic import step_traffic
 from megatron_mlp.optim.subgroups import SubgroupPlan
@@ -70,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--mlp-offload-host-memory per rank, e.g. 8GB: spent as the optimizer spends it (staging of "
                         "bf16 gradients and params, 4 bytes per param; the working buffers; the rest as cache), so "
                         "the plan and the optimizer agree. Replaces --host-cache-bytes and --working-buffers")
+    p.add_argument("--node-memory", default=None, metavar="SIZE",
+                   help="host memory of a compute node, e.g. 512GB: --host-memory must fit it for one rank and "
+                        "x --ranks-per-node for the node (default: this machine's memory, checked per rank), so a "
+                        "login node can plan for larger compute nodes")
+    p.add_argument("--node-cores", type=int, default=None, metavar="N",
+                   help="cores of a compute node, shared by its ranks' Adam kernels (default: this machine's)")
     p.add_argument("--host-cache-bytes", default="0", help="host-cache budget per rank, e.g. 8GB (default 0)")
     p.add_argument("--cache-model", choices=("alternate", "resident"), default="alternate",
                    help="'alternate' (default, --mlp-offload-order alternate: the cached subgroups at both ends "
@@ -93,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def optimizer_config(args, specs, subgroup_params: int, host_memory_bytes: int,
-                     host_cache_bytes: int) -> MLPOffloadConfig:
+                     host_cache_bytes: int, node_memory_bytes: int = 0) -> MLPOffloadConfig:
     """The optimizer's config these flags stand for: what its host budget, working buffers and
     cache policy, and so the bytes each tier moves, depend on.
 
@@ -115,7 +133,8 @@ def optimizer_config(args, specs, subgroup_params: int, host_memory_bytes: int,
     return MLPOffloadConfig(tiers=tuple(specs), subgroup_params=subgroup_params, host_memory_bytes=host_memory_bytes,
                             host_cache_bytes=host_cache_bytes, warm_buffers=working != 0,
                             order="alternate" if args.cache_model == "alternate" else "ascending",
-                            calibration="off", ranks_per_node=args.ranks_per_node, num_nodes=args.nodes, **depths)
+                            calibration="off", ranks_per_node=args.ranks_per_node, num_nodes=args.nodes,
+                            node_memory_bytes=node_memory_bytes, **depths)
 
 
 def make_plan(args) -> dict:
@@ -129,6 +148,7 @@ def make_plan(args) -> dict:
         raise ConfigError(f"--num-params: {args.num_params} ({num_params:.3g} params) is beyond what can be planned "
                           f"(at most {MAX_NUM_PARAMS:.0e})")
     subgroup_params = parse_count(args.subgroup_params, "--subgroup-params")
+    check_subgroup_size(subgroup_params, "--subgroup-params")
     if args.ranks_per_node < 1:
         raise ConfigError(f"--ranks-per-node: {args.ranks_per_node} must be >= 1")
     if args.nodes < 1:
@@ -142,9 +162,10 @@ def make_plan(args) -> dict:
         if host_cache or args.working_buffers is not None:
             raise ConfigError("--host-memory: the whole budget; give it without --host-cache-bytes / --working-buffers")
         budget = parse_size(args.host_memory, "--host-memory", "size")
+    node_memory, node_cores = _node(args, budget)
     shard = -(-num_params // dp)   # integers throughout: a float of 1e30 params would overflow below
     _check_subgroup_count(shard, subgroup_params)
-    config = optimizer_config(args, specs, subgroup_params, budget, host_cache)
+    config = optimizer_config(args, specs, subgroup_params, budget, host_cache, node_memory)
     plan = SubgroupPlan([(0, shard)], subgroup_params)
     traffic = step_traffic(plan, config, staging_bytes=STAGING_BYTES_PER_PARAM * shard)
 
@@ -152,7 +173,8 @@ def make_plan(args) -> dict:
                              cache_path=args.calibration_cache, flag="--paths", num_nodes=args.nodes,
                              create=False, cache_flag="--calibration-cache")
     warnings, notes, mode = list(resolved.warnings), list(resolved.notes), resolved.calibration
-    placement = place(traffic, resolved.tiers, args.ranks_per_node)
+    # The node's placement, every rank's row from one snapshot: the optimizer's own call.
+    placement = place_node([traffic] * args.ranks_per_node, resolved.tiers).row(0)
     return {
         "config": {"paths": [s.path for s in specs], "num_params": num_params, "data_parallel_size": dp,
                    "params_per_rank": shard, "subgroup_params": subgroup_params, "num_subgroups": len(plan),
@@ -160,12 +182,33 @@ def make_plan(args) -> dict:
                    "ranks_per_node": args.ranks_per_node, "host_cache_bytes": traffic.host_cache_bytes,
                    "cache_model": args.cache_model, "working_buffers": traffic.warm_subgroups,
                    "host_memory": traffic.memory.as_dict() if budget else None, "calibration": mode,
-                   "nodes": args.nodes},
+                   "nodes": args.nodes, "node_memory_bytes": node_memory or None, "node_cores": node_cores,
+                   "adam_threads_per_rank": max(1, node_cores // args.ranks_per_node)},
         "shared_tiers": shared_tier_loads(specs, placement, args.nodes),
         "warnings": warnings,
         "notes": notes + list(placement.notes),
         "placement": placement,
     }
+
+
+def _node(args, budget: int) -> tuple[int, int]:
+    """The compute node's memory (0: this machine's, checked by the config) and cores, from
+    ``--node-memory`` / ``--node-cores``; the node's ranks' budgets together must fit its memory."""
+    memory = 0
+    if args.node_memory is not None:
+        memory = parse_size(args.node_memory, "--node-memory", "size")
+        if memory <= 0:
+            raise ConfigError(f"--node-memory: {args.node_memory} must be positive")
+        if budget * args.ranks_per_node > memory:
+            raise ConfigError(f"--host-memory: {budget} bytes for each of {args.ranks_per_node} ranks is "
+                              f"{budget * args.ranks_per_node} bytes, more than --node-memory ({memory} bytes); give "
+                              "each rank a share of the node's memory")
+    cores = args.node_cores
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    elif cores < 1:
+        raise ConfigError(f"--node-cores: {cores} must be >= 1")
+    return memory, cores
 
 
 def shared_tier_loads(specs, placement, num_nodes: int) -> list[dict]:
@@ -221,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"host memory per rank {human_bytes(m['budget_bytes'])}: staging {human_bytes(m['staging_bytes'])}, "
               f"{m['working_buffers']} working buffers (prefetch {m['prefetch_depth']}, flush {m['flush_depth']}), "
               f"{m['cache_buffers']} cache buffers of {human_bytes(m['buffer_bytes'])}")
+    print(f"node: {cfg['node_cores']} cores ({cfg['adam_threads_per_rank']} Adam kernel threads per rank)"
+          + (f", {human_bytes(cfg['node_memory_bytes'])} of memory" if cfg["node_memory_bytes"] else ""))
     for w in plan["warnings"]:
         print(f"warning: {w}")
     print()

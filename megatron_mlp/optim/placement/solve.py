@@ -19,13 +19,10 @@ import math
 from typing import Iterable, Sequence
 
 from megatron_mlp.errors import ConfigError, TierCapacityError
-from megatron_mlp.optim.host_memory import HostMemoryPlan
 from megatron_mlp.optim.placement.model import (_EPS, SLOTS_PER_SUBGROUP, Placement, PlacementTier, _as_pairs,
                                                 _cache_sets, _lower_bound, _Model)
 from megatron_mlp.optim.placement.simulate import _full_pool_seconds
-from megatron_mlp.optim.placement.tiers import placement_tiers
-from megatron_mlp.optim.placement.traffic import StepTraffic, step_traffic
-from megatron_mlp.optim.subgroups import SubgroupPlan
+from megatron_mlp.optim.placement.traffic import StepTraffic
 
 # Splits of the subgroup kinds over the tiers tried one by one (a few ms each thousand): beyond
 # this many, the greedy assignment and the local search decide alone.
@@ -196,46 +193,20 @@ def place(traffic: StepTraffic, tiers: Sequence[PlacementTier], ranks_per_node: 
                           cache_model=traffic.cache_model, warm_subgroups=traffic.warm_subgroups)
 
 
-def plan_for(plan: SubgroupPlan, config, ranks_per_node: int = 1, free_bytes=None,
-             memory: HostMemoryPlan | None = None) -> Placement:
-    """The ``Placement`` of this plan over ``config``'s paths (only the first without multipath).
-
-    ``free_bytes``: free space per path (None: read now). ``memory``: the rank's
-    ``HostMemoryPlan`` (default: the budget with no staging)."""
-    tiers = placement_tiers(config, ranks_per_node, free_bytes)
-    if not config.multipath:
-        tiers = tiers[:1]
-    return place(step_traffic(plan, config, memory), tiers, ranks_per_node)
-
-
-def assign_subgroups(plan: SubgroupPlan, config, ranks_per_node: int = 1, free_bytes=None,
-                     memory: HostMemoryPlan | None = None) -> list[int]:
-    """Tier index (into ``config.tiers``) of each subgroup: by bandwidth, within each path's
-    ``cap=`` and free space, two slots per subgroup (what does not fit on one path goes to another).
-
-    Raises:
-        TierCapacityError: the subgroups fit on no layout of the paths.
-    """
-    if len(plan) == 0:
-        return []
-    if not config.multipath or len(config.tiers) == 1:
-        return [0] * len(plan)   # one path: the store checks its room (TierStore.create)
-    return list(plan_for(plan, config, ranks_per_node, free_bytes, memory).tier_of)
-
-
 def _check_total_capacity(tiers, model: _Model, sizes: list[int]) -> None:
     # Messages count bytes on the devices (two slots per subgroup), as free space and cap= do.
     k = SLOTS_PER_SUBGROUP
     total = k * sum(sizes)
     cap = k * sum(model.cap)
     if total > cap:
-        full = ", ".join(f"{t.path} ({k * model.cap[j]} bytes per rank)" for j, t in enumerate(tiers)
+        full = ", ".join(f"{t.path} ({k * model.cap[j]} bytes per rank: 1/{model.ranks[j]} of {t.capacity_bytes}, "
+                         f"less {t.reserve_bytes} for its scratch dir)" for j, t in enumerate(tiers)
                          if model.cap[j] != math.inf)
         raise TierCapacityError(
             f"--mlp-offload-paths: the optimizer state needs {total} bytes per rank on the tiers (two slots per "
-            f"subgroup) but they hold {int(cap)} (cap= bounded by the free space): {total - int(cap)} bytes "
-            f"missing per rank; full tiers: {full}. Add a path, free space, raise cap=, or use fewer/larger "
-            "ranks per node.")
+            f"subgroup) but they hold {int(cap)} per rank (each tier's cap= and free space are shared by the "
+            f"node's ranks): {total - int(cap)} bytes missing per rank; full tiers: {full}. Add a path, free "
+            "space, raise cap=, or use fewer/larger ranks per node.")
 
 
 def _raise_capacity(tiers, model: _Model, sizes, stored, unplaced) -> None:

@@ -11,19 +11,22 @@ and read/write limits:
   is even -- ``megatron-mlp plan`` warns). A ``qos=`` cap lowers both directions.
 * **Node share**: a ``shared=job`` path gives each node ``1/num_nodes`` of its declared or measured
   bandwidth and of its ``cap=`` (:func:`megatron_mlp.tier.shared.node_share`); a default stays whole.
-* **Capacity**: ``usable_capacity_bytes(cap=, free space)``.
+* **Capacity**: ``usable_capacity_bytes(cap=, free space)``, a node figure (``cap=`` bounds what all
+  the node's ranks take together, as the free space does), from one free-space snapshot that every
+  rank of the node computes alike (:func:`megatron_mlp.tier.free_space.node_snapshot`); each rank
+  using a tier also takes ``reserve_bytes`` there besides its slots (scratch dir, owner record).
 * **Read/write limit**: declared ``rw=``, else measured, else separate under a ``qos=`` cap (the
   engine's two token buckets), else shared (a disk: reads and writes add up; never optimistic).
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 from megatron_mlp.optim.placement.model import PlacementTier
 from megatron_mlp.tier.calibration import DEFAULT_BYTES_PER_S, calibrations_for, resolve_bandwidth
 from megatron_mlp.tier.calibration_cache import PathCalibration
+from megatron_mlp.tier.free_space import PathRoom, node_snapshot
 from megatron_mlp.tier.shared import node_share
 from megatron_mlp.tier.spec import PATHS_FLAG, TierSpec, shares_rw_limit
 from megatron_mlp.tier.validation import PathCheck, usable_capacity_bytes, validate_tier_paths
@@ -41,7 +44,8 @@ def node_spec(spec: TierSpec, calibration: PathCalibration | None = None, num_no
 
 
 def placement_tier(spec: TierSpec, free_bytes: int | None = None, calibration: PathCalibration | None = None,
-                   num_nodes: int = 1, ranks_sharing: int | None = None, device: str | None = None) -> PlacementTier:
+                   num_nodes: int = 1, ranks_sharing: int | None = None, device: str | None = None,
+                   room: PathRoom | None = None) -> PlacementTier:
     """The one conversion of a tier spec into the placement model's :class:`PlacementTier`.
 
     Args:
@@ -52,7 +56,12 @@ def placement_tier(spec: TierSpec, free_bytes: int | None = None, calibration: P
         num_nodes: nodes of the job; a ``shared=job`` path enters with one node's share.
         ranks_sharing: ranks of the node using the tier (None: the plan's ranks per node).
         device: the physical tier key, for tables.
+        room: the path's :class:`~megatron_mlp.tier.free_space.PathRoom` (free space, block size,
+            file system type); it replaces ``free_bytes``. Without it a rank's scratch is costed
+            as on a block file system of 4096-byte blocks.
     """
+    if room is None:
+        room = PathRoom(free_bytes)
     measured = calibration is not None and (spec.read_bytes_per_s is None or spec.write_bytes_per_s is None)
     declared = spec.read_bytes_per_s is not None or spec.write_bytes_per_s is not None
     spec = node_spec(spec, calibration, num_nodes)
@@ -71,30 +80,26 @@ def placement_tier(spec: TierSpec, free_bytes: int | None = None, calibration: P
         source += f" (assumed {DEFAULT_BYTES_PER_S / 1e9:g} GB/s)"
     if spec.shared_by_job and num_nodes > 1:
         source += f", 1/{num_nodes} per node"
+    capacity = usable_capacity_bytes(spec.capacity_bytes, room.free_bytes)
     return PlacementTier(path=spec.path, read_bytes_per_s=float(read), write_bytes_per_s=float(write),
-                         capacity_bytes=usable_capacity_bytes(spec.capacity_bytes, free_bytes),
-                         shared_rw_limit=shares_rw_limit(spec), ranks_sharing=ranks_sharing, device=device,
-                         bandwidth_source=source)
+                         capacity_bytes=capacity, shared_rw_limit=shares_rw_limit(spec), ranks_sharing=ranks_sharing,
+                         device=device, bandwidth_source=source, reserve_bytes=room.reserve_bytes(capacity))
 
 
-def placement_tiers(config, ranks_per_node: int = 1, free_bytes=None) -> list[PlacementTier]:
+def placement_tiers(config, ranks_per_node: int = 1, free_bytes=None, rooms=None, rank: int | None = None
+                    ) -> list[PlacementTier]:
     """``PlacementTier`` per configured path: :func:`placement_tier` of each of ``config.tiers``
     (this node's view: bandwidths already calibrated and shared out by the build).
 
-    ``free_bytes``: free space per path (validation's statvfs), or None to read it now.
+    ``rooms``: a :func:`~megatron_mlp.tier.free_space.node_snapshot` of the paths; ``free_bytes``:
+    free space per path instead (tests); neither: the node snapshot is read now, for
+    ``config.job_id`` as seen by ``rank``.
     """
-    if free_bytes is None:
-        free_bytes = [_free_bytes(spec.path) for spec in config.tiers]
-    return [placement_tier(spec, free) for spec, free in zip(config.tiers, free_bytes)]
-
-
-def _free_bytes(path: str) -> int | None:
-    """Free space of ``path`` for this user; None where it cannot be read (the path may not exist yet)."""
-    try:
-        vfs = os.statvfs(path)
-    except OSError:
-        return None
-    return vfs.f_bavail * vfs.f_frsize
+    if rooms is None and free_bytes is not None:
+        rooms = [PathRoom(free) for free in free_bytes]
+    if rooms is None:
+        rooms = node_snapshot([spec.path for spec in config.tiers], config.job_id, rank)
+    return [placement_tier(spec, room=room) for spec, room in zip(config.tiers, rooms)]
 
 
 def default_bandwidth_warning(index: int, path: str, calibration: str) -> str:
@@ -141,19 +146,19 @@ def resolve_tiers(specs: tuple[TierSpec, ...], calibration: str = "auto", probe:
         checked = validate_tier_paths(specs, flag=flag, create=create)
         warnings += checked.warnings
         checks = checked.checks
-        free = [c.free_bytes for c in checks]
+        rooms = node_snapshot([s.path for s in specs])   # the free space the optimizer will see
         devices = [f"{c.device.key} ({c.device.fs_type})" for c in checks]
         mode = calibration
     else:
         checks = None
-        free = [None] * len(specs)
+        rooms = [PathRoom(None) for _ in specs]
         devices = [None] * len(specs)
         mode = "off" if calibration == "auto" else calibration
     cals, cal_notes = calibrations_for(specs, mode, cache_path=cache_path, cache_flag=cache_flag)
     notes += cal_notes
     tiers = []
-    for spec, cal, room, dev in zip(specs, cals, free, devices):
-        tier = placement_tier(spec, room, cal, num_nodes, ranks_sharing, dev)
+    for spec, cal, room, dev in zip(specs, cals, rooms, devices):
+        tier = placement_tier(spec, None, cal, num_nodes, ranks_sharing, dev, room=room)
         if tier.bandwidth_source.startswith("default"):
             warnings.append(default_bandwidth_warning(len(tiers), spec.path, mode))
         if spec.shared_rw_limit is None and cal is None and spec.qos_bytes_per_s is None:
