@@ -8,7 +8,6 @@ process literally. Golden files hold the rendering of accepted hostile values.
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -153,15 +152,16 @@ def test_tier_paths_of_the_job_are_absolute_printable_and_expand_only_allowed_re
     assert err.startswith(f"megatron-mlp slurm: {flag}: ") and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("flag,value", [("--nvme-bw", "fast"), ("--nvme-bw", "6GB/s'"), ("--pfs-bw", "11TB"),
-                                        ("--nvme-bw", "11TB/s"), ("--pfs-bw", "101TB/s")])
-def test_bandwidths_are_parsed_as_bandwidths_and_refused_beyond_any_device(flag, value):
-    kwargs = {flag[2:].replace("-", "_"): value}
-    if flag == "--pfs-bw" and value == "11TB":
-        SlurmJob(megatron_path="/m", nvme_path="/n", pfs_path="/p", **kwargs)   # the job's total: within 100TB/s
-        return
+@pytest.mark.parametrize("flag,value", [("--nvme-bw", "fast"), ("--nvme-bw", "6GB/s'"), ("--nvme-bw", "11TB/s"),
+                                        ("--pfs-bw", "101TB/s"), ("--pfs-bw", "1e9")])
+def test_bandwidth_is_refused_naming_its_flag_when_not_a_bandwidth_or_beyond_any_device(flag, value):
     with pytest.raises(ConfigError, match=f"^{flag}: "):
-        SlurmJob(megatron_path="/m", nvme_path="/n", pfs_path="/p", **kwargs)
+        SlurmJob(megatron_path="/m", nvme_path="/n", pfs_path="/p", **{flag[2:].replace("-", "_"): value})
+
+
+def test_pfs_bandwidth_is_the_jobs_total_and_may_exceed_one_nodes_ceiling():
+    assert "bw=11TB/s,shared=job" in slurm._paths_spec(SlurmJob(megatron_path="/m", nvme_path="/n", pfs_path="/p",
+                                                                pfs_bw="11TB"))
 
 
 def test_bandwidths_are_rendered_in_their_canonical_spelling():
@@ -220,4 +220,4 @@ def test_hostile_values_are_assigned_literally_when_the_golden_scripts_exports_r
     out = subprocess.run(["bash", "-c", body], env=env, capture_output=True, text=True, cwd=tmp_path).stdout
     assert out.split("\0")[:-1] == ["/opt/it's \"Megatron\"/LM", "/opt/py env/bin/python3", "/tmp/j/mlp;x",
                                     "/s/u/a b:c", "/h/.cache/calib u"]
-    assert json.dumps(os.listdir(tmp_path)) == "[]"
+    assert os.listdir(tmp_path) == []
