@@ -13,15 +13,30 @@ import re
 import signal
 from dataclasses import dataclass
 
-from megatron_mlp.engine.defaults import DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEUE_DEPTH
+from megatron_mlp.engine.defaults import (DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEUE_DEPTH, MAX_IO_BLOCK_BYTES,
+                                          MAX_IO_QUEUE_DEPTH, MAX_IO_THREADS)
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier.spec import TierSpec, parse_tier_paths
+from megatron_mlp.units import format_size
 
 ORDER_POLICIES = ("alternate", "ascending")
 GRAD_TRANSFERS = ("auto", "bf16")
 BACKENDS = ("auto", "io_uring", "threads")
 CALIBRATION_MODES = ("auto", "off")  # or a path to a calibration JSON file
-_JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.+-]{1,64}$")
+_JOB_ID_RE = re.compile(r"[A-Za-z0-9_.+-]{1,64}")   # fullmatch: '$' would let a trailing newline through
+
+# Upper bounds of the numeric flags, so that a typo is refused when the config is built (the
+# launcher builds one right after parsing), naming the flag and the range, not hours later by a
+# component naming its own parameter. The I/O ones are the engine's own limits.
+MAX_PIPELINE_DEPTH = MAX_IO_QUEUE_DEPTH
+"""--mlp-offload-prefetch-depth / --mlp-offload-flush-depth: each subgroup in flight is at least one
+engine task, and no more tasks than the engine's deepest queue are ever in flight."""
+MAX_TOKENS_PER_TIER = 1024
+"""--mlp-offload-tokens-per-tier: one slot file per process of a node allowed on a tier at once; no
+node runs that many ranks (--mlp-offload-no-tier-tokens turns the control off instead)."""
+MAX_IO_TIMEOUT_S = 30 * 86400.0
+"""--mlp-offload-io-timeout: 30 days. A request stuck that long has failed; far above, the engine's
+wait deadline overflows its clock and the wait ends at once (1e300 s timed out immediately)."""
 
 # A subgroup is stored as three fp32 arrays, each padded to a 4096-byte page (optim/subgroups.py:
 # Subgroup.region_bytes), in two slots on its tier.
@@ -186,18 +201,27 @@ class MLPOffloadConfig:
             if memory and value > memory:
                 raise ConfigError(f"{name}: {value} bytes is more than {machine} memory ({memory} bytes) "
                                   f"for one rank; give each rank a share of the host memory")
-        _non_negative("--mlp-offload-prefetch-depth", self.prefetch_depth)
-        _positive("--mlp-offload-flush-depth", self.flush_depth)
-        _positive("--mlp-offload-tokens-per-tier", self.tokens_per_tier)
-        _positive("--mlp-offload-io-queue-depth", self.queue_depth)
-        _positive("--mlp-offload-io-threads", self.io_threads)
-        _non_negative("--mlp-offload-adam-threads", self.adam_threads)
+        depth_why = "subgroups in flight; each is at least one engine task, and the engine keeps at most " \
+                    f"{MAX_IO_QUEUE_DEPTH} in flight"
+        _in_range("--mlp-offload-prefetch-depth", self.prefetch_depth, 0, MAX_PIPELINE_DEPTH, depth_why)
+        _in_range("--mlp-offload-flush-depth", self.flush_depth, 1, MAX_PIPELINE_DEPTH, depth_why)
+        _in_range("--mlp-offload-tokens-per-tier", self.tokens_per_tier, 1, MAX_TOKENS_PER_TIER,
+                  "processes of a node on one tier at once; --mlp-offload-no-tier-tokens turns the control off")
+        _in_range("--mlp-offload-io-queue-depth", self.queue_depth, 1, MAX_IO_QUEUE_DEPTH, "the I/O engine's limit")
+        _in_range("--mlp-offload-io-threads", self.io_threads, 1, MAX_IO_THREADS, "the I/O engine's limit")
+        cpus = os.cpu_count() or 1
+        _in_range("--mlp-offload-adam-threads", self.adam_threads, 0, max(cpus, 1),
+                  f"0 = every core; the kernel's pool has one thread per CPU and this machine has {cpus}")
         if isinstance(self.io_timeout_s, bool) or not isinstance(self.io_timeout_s, (int, float)) \
-                or not 0 < self.io_timeout_s < float("inf"):
-            raise ConfigError(f"--mlp-offload-io-timeout: {self.io_timeout_s!r} must be a positive number of seconds")
-        if self.block_bytes <= 0 or self.block_bytes % 4096:
+                or not 0 < self.io_timeout_s <= MAX_IO_TIMEOUT_S:
+            raise ConfigError(f"--mlp-offload-io-timeout: {self.io_timeout_s!r} must be a positive number of seconds, "
+                              f"at most {MAX_IO_TIMEOUT_S:.0f} (30 days)")
+        if isinstance(self.block_bytes, bool) or not isinstance(self.block_bytes, int) or self.block_bytes <= 0 \
+                or self.block_bytes % 4096 or self.block_bytes > MAX_IO_BLOCK_BYTES:
             raise ConfigError(
-                f"--mlp-offload-io-block-size: {self.block_bytes} must be a positive multiple of 4096 bytes")
+                f"--mlp-offload-io-block-size: {self.block_bytes} bytes is out of range: a multiple of 4096 bytes "
+                f"from 4096 to {format_size(MAX_IO_BLOCK_BYTES)} ({MAX_IO_BLOCK_BYTES} bytes, the I/O engine's "
+                "largest task)")
         if self.order not in ORDER_POLICIES:
             raise ConfigError(f"--mlp-offload-order: {self.order!r} is not one of {', '.join(ORDER_POLICIES)}")
         if self.grad_transfer not in GRAD_TRANSFERS:
@@ -208,7 +232,7 @@ class MLPOffloadConfig:
         if self.calibration not in CALIBRATION_MODES and not os.path.isfile(self.calibration):
             raise ConfigError(f"--mlp-offload-calibration: {self.calibration!r} is neither 'auto', 'off' nor an "
                               "existing calibration file (write one with: megatron-mlp calibrate --cache FILE)")
-        if not isinstance(self.job_id, str) or not _JOB_ID_RE.match(self.job_id):
+        if not isinstance(self.job_id, str) or not _JOB_ID_RE.fullmatch(self.job_id):
             raise ConfigError(f"--mlp-offload-job-id: {self.job_id!r} must be 1-64 characters of A-Z a-z 0-9 _ . + - "
                               "(it becomes part of a directory name)")
         _positive("ranks_per_node", self.ranks_per_node)
@@ -242,6 +266,12 @@ def _physical_memory_bytes() -> int:
 def _positive(flag: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{flag}: {value!r} must be a positive integer")
+
+
+def _in_range(flag: str, value: int, low: int, high: int, why: str) -> None:
+    """Refuse ``value`` unless it is an integer in [low, high]; the message names the flag and the range."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ConfigError(f"{flag}: {value!r} is out of range: an integer from {low} to {high} ({why})")
 
 
 def _non_negative(flag: str, value: int) -> None:

@@ -17,26 +17,31 @@ sbatch file; the CLI only parses options, writes the file and optionally submits
   does the same on demand);
 * removes the scratch at the end and when the job is cancelled, only after the training step
   has finished saving (the tier files are scratch; the checkpoint lives in ``--save``).
+
+Every option is data, never shell code (:mod:`megatron_mlp.shell_words`): names, times, integers
+and bandwidths are checked against strict patterns, every other value is rendered as one quoted
+shell word in which only the documented ``${NAME}`` references expand. ``--model-args``,
+``--mlp-args`` and ``--setup`` are shell text by design.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
 
 from megatron_mlp.errors import ConfigError
+from megatron_mlp.shell_words import bandwidth_text, check_int, check_name, check_time, shell_word, walltime_seconds
 
 LAUNCHERS = ("srun", "torchrun")
-_TIME_RE = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
 
 
 @dataclass(frozen=True)
 class SlurmJob:
-    """Options of a rendered job script. Paths are taken literally (``$VARS`` expand in the job)."""
+    """Options of a rendered job script. Paths are data: only the references of
+    :data:`megatron_mlp.shell_words.SHELL_REFERENCES` (``$HOME``, ``$SCRATCH``, ``$USER``, ...) expand in the job."""
 
     megatron_path: str
     """Megatron-LM checkout whose pretrain script is run (unmodified: the launcher adds the hooks)."""
@@ -71,17 +76,26 @@ class SlurmJob:
     """Shell lines run first (module load, source a venv, export PYTHONPATH ...)."""
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node", "master_port", "signal_seconds"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')}: {value!r} must be a positive integer")
+        # Every value the renderers write is checked here too, by the check the renderer applies
+        # where it writes it, so that a bad value fails when the job is described.
+        for name in ("nodes", "gpus_per_node", "signal_seconds") + (("cpus_per_gpu",) if self.cpus_per_gpu else ()):
+            check_int(getattr(self, name), _flag(name))
+        check_int(self.master_port, "--master-port", 1, 65535)
         if self.launcher not in LAUNCHERS:
             raise ConfigError(f"--launcher: {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
-        if not _TIME_RE.match(self.time):
-            raise ConfigError(f"--time: {self.time!r} is not a Slurm time (HH:MM:SS, D-HH:MM:SS, MM)")
+        check_time(self.time)
         for name in ("megatron_path", "nvme_path"):
             if not getattr(self, name):
-                raise ConfigError(f"--{name.replace('_', '-')}: required")
+                raise ConfigError(f"{_flag(name)}: required")
+        check_name(self.job_name, "--job-name")
+        for name in ("partition", "account"):
+            if getattr(self, name) is not None:
+                check_name(getattr(self, name), _flag(name), listed=name == "partition")
+        for name in ("megatron_path", "nvme_path", "pfs_path", "python", "calibration_cache"):
+            if name != "pfs_path" or self.pfs_path:   # no --pfs-path: NVMe only
+                _word(self, name)
+        _script_path(self)
+        _paths_spec(self)
         if "--mlp-offload-paths" in self.mlp_args or "--mlp-offload-paths" in self.model_args:
             raise ConfigError("--mlp-args: do not pass --mlp-offload-paths; the job script builds it from "
                               "--nvme-path and --pfs-path so that it is unique per job and rank")
@@ -91,35 +105,53 @@ class SlurmJob:
         return self.nodes * self.gpus_per_node
 
 
-def _q(text: str) -> str:
-    """Double-quote for bash while keeping $VARS live (paths like $SCRATCH/x)."""
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`") + '"'
+def _flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _word(job: SlurmJob, field_name: str) -> str:
+    """The option ``field_name`` of ``job`` as one shell word (tier paths: absolute; see shell_word)."""
+    value = getattr(job, field_name)
+    if field_name in ("nvme_path", "pfs_path") and len(value) > 1:
+        value = value.rstrip("/")
+    return shell_word(value, _flag(field_name), absolute=field_name in ("nvme_path", "pfs_path"))
+
+
+def _script_path(job: SlurmJob) -> str:
+    """The pretrain script, inside the checkout, as one shell word."""
+    if job.script.startswith("/"):
+        raise ConfigError(f"--script: {job.script!r} is absolute; give its path inside --megatron-path")
+    return f"\"$MEGATRON_LM_PATH\"/{_word(job, 'script')}"
 
 
 def _paths_spec(job: SlurmJob) -> str:
     """The --mlp-offload-paths value; single-quoted in the script so that each training process
-    expands the variables (parse_tier_paths does), with the environment srun gives it."""
-    nvme = "$MLP_NVME_DIR" + (f":bw={job.nvme_bw}" if job.nvme_bw else "")
+    expands the variables (parse_tier_paths does), with the environment srun gives it. Bandwidths
+    are parsed and written in their canonical spelling: no text of the user's reaches the quotes."""
+    nvme = "$MLP_NVME_DIR" + (f":bw={bandwidth_text(job.nvme_bw, '--nvme-bw')}" if job.nvme_bw else "")
     if not job.pfs_path:
         return nvme
     # The PFS is shared by the job's nodes: its declared bandwidth is the job's, of which each node
     # plans with its share (shared=job). A measured figure is one node's view and is left per node.
-    pfs = "$MLP_PFS_DIR" + (f":bw={job.pfs_bw},shared=job" if job.pfs_bw else "")
+    pfs = "$MLP_PFS_DIR" + (f":bw={bandwidth_text(job.pfs_bw, '--pfs-bw', shared_by_job=True)},shared=job"
+                            if job.pfs_bw else "")
     return f"{nvme};{pfs}"
 
 
 def _scratch_exports(job: SlurmJob, job_id: str) -> list[str]:
     """The tier bases and this job's scratch directories under them (``job_id``: a shell expression)."""
-    lines = [f"export MLP_NVME_BASE={_q(job.nvme_path.rstrip('/'))}",
+    lines = [f"export MLP_NVME_BASE={_word(job, 'nvme_path')}",
              f"export MLP_NVME_DIR=\"$MLP_NVME_BASE/megatron-mlp-{job_id}\""]
     if job.pfs_path:
-        lines += [f"export MLP_PFS_BASE={_q(job.pfs_path.rstrip('/'))}",
+        lines += [f"export MLP_PFS_BASE={_word(job, 'pfs_path')}",
                   f"export MLP_PFS_DIR=\"$MLP_PFS_BASE/megatron-mlp-{job_id}\""]
     return lines
 
 
 def _calibration_paths(job: SlurmJob) -> str:
-    return "$MLP_NVME_BASE" + (";$MLP_PFS_BASE" if job.pfs_path else "")
+    """The base paths to calibrate, single-quoted: calibrate expands them itself (after splitting
+    the list at ';'), so a ';' or ':' inside a path stays part of it."""
+    return "'$MLP_NVME_BASE" + (";$MLP_PFS_BASE'" if job.pfs_path else "'")
 
 
 def _megatron_flags(job: SlurmJob, *flags: str) -> str:
@@ -162,7 +194,7 @@ def render_job_script(job: SlurmJob) -> str:
     lines = [
         "#!/bin/bash",
         "# Rendered by `megatron-mlp slurm`; re-render rather than edit (see docs/usage.md).",
-        f"#SBATCH --job-name={job.job_name}",
+        f"#SBATCH --job-name={check_name(job.job_name, '--job-name')}",
         f"#SBATCH --nodes={n}",
         f"#SBATCH --ntasks-per-node={g if job.launcher == 'srun' else 1}",
         f"#SBATCH --gpus-per-node={g}",
@@ -170,11 +202,11 @@ def render_job_script(job: SlurmJob) -> str:
     if job.cpus_per_gpu:
         per_task = job.cpus_per_gpu if job.launcher == "srun" else job.cpus_per_gpu * g
         lines.append(f"#SBATCH --cpus-per-task={per_task}")
-    lines.append(f"#SBATCH --time={job.time}")
+    lines.append(f"#SBATCH --time={check_time(job.time)}")
     if job.partition:
-        lines.append(f"#SBATCH --partition={job.partition}")
+        lines.append(f"#SBATCH --partition={check_name(job.partition, '--partition', listed=True)}")
     if job.account:
-        lines.append(f"#SBATCH --account={job.account}")
+        lines.append(f"#SBATCH --account={check_name(job.account, '--account')}")
     lines += [
         "#SBATCH --exclusive",
         "# Megatron's --exit-signal-handler saves a checkpoint and exits when its processes get SIGTERM:",
@@ -187,13 +219,13 @@ def render_job_script(job: SlurmJob) -> str:
     lines += list(job.setup)
     lines += [
         "",
-        f"MEGATRON_LM_PATH={_q(job.megatron_path)}",
-        f"PYTHON={_q(job.python)}",
+        f"MEGATRON_LM_PATH={_word(job, 'megatron_path')}",
+        f"PYTHON={_word(job, 'python')}",
         f"export GPUS_PER_NODE={g}",
         f"export NNODES={n}",
         "# Optimizer-state scratch, unique per job (and below, per rank); never the checkpoint.",
         *_scratch_exports(job, "$SLURM_JOB_ID"),
-        f"export MLP_CALIBRATION_CACHE={_q(job.calibration_cache)}",
+        f"export MLP_CALIBRATION_CACHE={_word(job, 'calibration_cache')}",
         "export MASTER_ADDR=\"$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)\"",
         f"export MASTER_PORT={job.master_port}",
         "export OMP_NUM_THREADS=\"${OMP_NUM_THREADS:-4}\"",
@@ -228,11 +260,11 @@ def render_job_script(job: SlurmJob) -> str:
             "",
             "# 2. Tier bandwidth per node, with all local ranks' contention; the cache file keeps it",
             "#    across jobs (measured once per node, reused while the device is the same).",
-            "mkdir -p \"$MLP_CALIBRATION_CACHE\"",
+            "mkdir -p -- \"$MLP_CALIBRATION_CACHE\"",
             "srun --nodes=\"$NNODES\" --ntasks-per-node=1 bash -c "
             "'exec \"$0\" -m megatron_mlp calibrate --paths \"$1\" --procs \"$GPUS_PER_NODE\" "
             "--cache \"$MLP_CALIBRATION_CACHE/$SLURMD_NODENAME.json\"' "
-            f"\"$PYTHON\" \"{_calibration_paths(job)}\" || exit 1",
+            f"\"$PYTHON\" {_calibration_paths(job)} || exit 1",
         ]
     mlp = _offload_flags(job, "$SLURMD_NODENAME")
     train_args = _train_args(job, mlp)
@@ -243,7 +275,7 @@ def render_job_script(job: SlurmJob) -> str:
             "# One task per GPU: Slurm's SIGTERM reaches each training process directly.",
             "srun --kill-on-bad-exit=1 bash -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID "
             "WORLD_SIZE=$SLURM_NTASKS; exec \"$0\" -m megatron_mlp.launch \"$@\"' "
-            "\"$PYTHON\" \"$MEGATRON_LM_PATH/" + job.script + "\" \"${TRAIN_ARGS[@]}\" &",
+            f"\"$PYTHON\" {_script_path(job)} \"${{TRAIN_ARGS[@]}}\" &",
         ]
     else:
         lines += [
@@ -253,7 +285,7 @@ def render_job_script(job: SlurmJob) -> str:
             "--nnodes=\"$NNODES\" --nproc-per-node=\"$GPUS_PER_NODE\" --rdzv-id=\"$SLURM_JOB_ID\" "
             "--rdzv-backend=c10d --rdzv-endpoint=\"$MASTER_ADDR:$MASTER_PORT\" "
             "-m megatron_mlp.launch \"$@\"' "
-            "\"$PYTHON\" \"$MEGATRON_LM_PATH/" + job.script + "\" \"${TRAIN_ARGS[@]}\" &",
+            f"\"$PYTHON\" {_script_path(job)} \"${{TRAIN_ARGS[@]}}\" &",
         ]
     lines += [
         "TRAIN_PID=$!",
@@ -267,19 +299,6 @@ def render_job_script(job: SlurmJob) -> str:
     return "\n".join(lines)
 
 
-def _walltime_seconds(time: str) -> int:
-    """Slurm time ('D-HH:MM:SS', 'HH:MM:SS', 'MM:SS', 'MM') in seconds."""
-    days, _, rest = time.rpartition("-")
-    parts = [int(x) for x in rest.split(":")]
-    if len(parts) == 1:
-        seconds = parts[0] * 60
-    elif len(parts) == 2:
-        seconds = parts[0] * 60 + parts[1]
-    else:
-        seconds = parts[0] * 3600 + parts[1] * 60 + parts[2]
-    return seconds + (int(days) * 86400 if days else 0)
-
-
 def render_pbs_script(job: SlurmJob) -> str:
     """The PBS Pro / OpenPBS variant of :func:`render_job_script` (pure; passes ``bash -n``).
 
@@ -289,34 +308,34 @@ def render_pbs_script(job: SlurmJob) -> str:
     ``--exit-signal-handler`` still turns ``qsig -s TERM <job>`` into a checkpoint and exit.
     """
     g, n = job.gpus_per_node, job.nodes
-    wall = _walltime_seconds(job.time)
+    wall = walltime_seconds(check_time(job.time))
     select = f"select={n}:ngpus={g}:mpiprocs={g}" + (f":ncpus={job.cpus_per_gpu * g}" if job.cpus_per_gpu else "")
     lines = [
         "#!/bin/bash",
         "# Rendered by `megatron-mlp slurm --scheduler pbs`; re-render rather than edit (see docs/usage.md).",
-        f"#PBS -N {job.job_name}",
+        f"#PBS -N {check_name(job.job_name, '--job-name')}",
         f"#PBS -l {select}",
         f"#PBS -l walltime={wall // 3600:02d}:{wall % 3600 // 60:02d}:{wall % 60:02d}",
         "#PBS -l place=scatter:exclusive",
     ]
     if job.partition:
-        lines.append(f"#PBS -q {job.partition}")
+        lines.append(f"#PBS -q {check_name(job.partition, '--partition', listed=True)}")
     if job.account:
-        lines.append(f"#PBS -A {job.account}")
+        lines.append(f"#PBS -A {check_name(job.account, '--account')}")
     lines += ["#PBS -j oe", "", "set -uo pipefail"]
     lines += list(job.setup)
     lines += [
         "cd \"${PBS_O_WORKDIR:-$PWD}\"",
         "",
-        f"MEGATRON_LM_PATH={_q(job.megatron_path)}",
-        f"PYTHON={_q(job.python)}",
+        f"MEGATRON_LM_PATH={_word(job, 'megatron_path')}",
+        f"PYTHON={_word(job, 'python')}",
         "JOB_ID=\"${PBS_JOBID%%.*}\"",
         f"WALLTIME_S={wall}",
         f"export GPUS_PER_NODE={g}",
         "export NNODES=\"$(sort -u \"$PBS_NODEFILE\" | wc -l)\"",
         "# Optimizer-state scratch, unique per job; each rank's optimizer makes its own 0700 dir inside.",
         *_scratch_exports(job, "$JOB_ID"),
-        f"export MLP_CALIBRATION_CACHE={_q(job.calibration_cache)}",
+        f"export MLP_CALIBRATION_CACHE={_word(job, 'calibration_cache')}",
         "export MASTER_ADDR=\"$(head -n 1 \"$PBS_NODEFILE\")\"",
         f"export MASTER_PORT={job.master_port}",
         "export OMP_NUM_THREADS=\"${OMP_NUM_THREADS:-4}\"",
@@ -350,10 +369,10 @@ def render_pbs_script(job: SlurmJob) -> str:
         lines += [
             "",
             "# 2. Tier bandwidth per node into a cache file kept across jobs (measured once per node).",
-            "mkdir -p \"$MLP_CALIBRATION_CACHE\"",
+            "mkdir -p -- \"$MLP_CALIBRATION_CACHE\"",
             "per_node bash -c 'exec \"$0\" -m megatron_mlp calibrate --paths \"$1\" --procs \"$GPUS_PER_NODE\" "
             "--cache \"$MLP_CALIBRATION_CACHE/$(hostname -s).json\"' "
-            f"\"$PYTHON\" \"{_calibration_paths(job)}\" || exit 1",
+            f"\"$PYTHON\" {_calibration_paths(job)} || exit 1",
         ]
     mlp = _offload_flags(job, "$MLP_NODE")
     train_args = _train_args(job, "--exit-duration-in-mins \"$EXIT_MINUTES\"", mlp)
@@ -368,7 +387,7 @@ def render_pbs_script(job: SlurmJob) -> str:
         "'export RANK=\"${PMI_RANK:-${PALS_RANKID:-0}}\" LOCAL_RANK=\"${PALS_LOCAL_RANKID:-${MPI_LOCALRANKID:-0}}\" "
         "WORLD_SIZE=\"$((NNODES * GPUS_PER_NODE))\" MLP_NODE=\"$(hostname -s)\"; "
         "exec \"$0\" -m megatron_mlp.launch \"$@\"' "
-        "\"$PYTHON\" \"$MEGATRON_LM_PATH/" + job.script + "\" \"${TRAIN_ARGS[@]}\" &",
+        f"\"$PYTHON\" {_script_path(job)} \"${{TRAIN_ARGS[@]}}\" &",
         "TRAIN_PID=$!",
         "wait \"$TRAIN_PID\"; rc=$?",
         "while kill -0 \"$TRAIN_PID\" 2>/dev/null; do wait \"$TRAIN_PID\"; rc=$?; done",

@@ -22,32 +22,46 @@ _COUNT_RE = re.compile(r"^\s*\+?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*(
 MAX_COUNT = 10**18
 """Larger than any count of parameters or subgroups this package plans; a bound on the text's
 exponent, so that ``1e999999`` is refused rather than expanded."""
+MAX_SIZE = 10**18
+"""Bytes (1 EB): larger than any memory, file system or bandwidth this package deals with; a
+bound that refuses ``999...9TB`` (which would not even fit a float) instead of overflowing."""
+
+
+def _size_value(text: str, flag: str, what: str) -> float:
+    """The number of bytes ``text`` spells, unbounded (a float: ``inf`` for hundreds of digits)."""
+    m = _SIZE_RE.match(text)
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in SIZE_UNITS:
+        raise ConfigError(f"{flag}: cannot parse {what} {text!r} (examples: 4096, 200GB, 1.5GiB)")
+    return float(m.group(1)) * SIZE_UNITS[unit]
 
 
 def parse_size(text: str, flag: str, what: str = "size") -> int:
     """Bytes from '100GB', '1.5GiB', '4096' (decimal k/M/G/T and binary KiB/MiB/GiB/TiB units).
 
     Raises:
-        ConfigError: the text is not a size; names ``flag`` and the text.
+        ConfigError: the text is not a size, or is above :data:`MAX_SIZE`; names ``flag`` and the text.
     """
-    m = _SIZE_RE.match(text)
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in SIZE_UNITS:
-        raise ConfigError(f"{flag}: cannot parse {what} {text!r} (examples: 4096, 200GB, 1.5GiB)")
-    return int(float(m.group(1)) * SIZE_UNITS[unit])
+    value = _size_value(text, flag, what)
+    if not value <= MAX_SIZE:   # also inf
+        raise ConfigError(f"{flag}: {what} {text!r} is larger than {MAX_SIZE} bytes")
+    return int(value)
 
 
 def parse_rate(text: str, flag: str) -> float:
     """Bytes per second from '6GB/s' or '6GB'.
 
     Raises:
-        ConfigError: not a size, or not positive; names ``flag`` and the text.
+        ConfigError: not a size, not positive, or above :data:`MAX_SIZE` per second; names ``flag``
+            and the text.
     """
     body = text[:-2] if text.lower().endswith("/s") else text
-    value = parse_size(body, flag, "bandwidth")
-    if value <= 0:
+    value = _size_value(body, flag, "bandwidth")
+    if not value <= MAX_SIZE:   # also inf
+        raise ConfigError(f"{flag}: bandwidth {text!r} is beyond any real device (more than {MAX_SIZE} bytes/s)")
+    if int(value) <= 0:
         raise ConfigError(f"{flag}: bandwidth {text!r} must be positive")
-    return float(value)
+    return float(int(value))
 
 
 def parse_count(text, flag: str, what: str = "count") -> int:

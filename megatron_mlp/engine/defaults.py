@@ -16,3 +16,12 @@ DEFAULT_IO_BLOCK_BYTES = 8 << 20
 """Bytes per I/O task: a request is split into tasks of this size (a multiple of 4096)."""
 DEFAULT_IO_QUEUE_DEPTH = 32
 """I/O tasks in flight per engine."""
+
+# The engine's own limits (csrc/src/engine.cpp refuses anything outside them when it is built);
+# the config refuses the flags outside them first, naming the flag (a test pins both together).
+MAX_IO_BLOCK_BYTES = 1 << 30
+"""Largest I/O task the engine takes (1 GiB)."""
+MAX_IO_QUEUE_DEPTH = 4096
+"""Most I/O tasks an engine keeps in flight."""
+MAX_IO_THREADS = 1024
+"""Most workers of the thread-pool backend."""

@@ -23,7 +23,9 @@ import re
 import signal
 import sys
 
-from megatron_mlp.config import BACKENDS, GRAD_TRANSFERS, ORDER_POLICIES, MLPOffloadConfig
+from megatron_mlp.config import (BACKENDS, GRAD_TRANSFERS, MAX_IO_TIMEOUT_S, MAX_PIPELINE_DEPTH, MAX_TOKENS_PER_TIER,
+                                 ORDER_POLICIES, MLPOffloadConfig)
+from megatron_mlp.engine.defaults import MAX_IO_BLOCK_BYTES, MAX_IO_QUEUE_DEPTH, MAX_IO_THREADS
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier.shared import num_nodes_from_env
 from megatron_mlp.tier.spec import parse_tier_paths
@@ -58,8 +60,10 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "rw=shared|separate (do reads and writes share one limit), shared=job (every node of the "
                         "job uses the path, e.g. a parallel file system: its bw= and cap= are the job's total and "
                         "each node plans with its share), "
-                        "e.g. '/nvme/x:bw=6GB/s;/lustre/x:cap=2TB,qos=1GB/s'. $VARS are expanded in each "
-                        "process ($RANK, $LOCAL_RANK, $SLURM_JOB_ID). Required with --mlp-offload.")
+                        "e.g. '/nvme/x:bw=6GB/s;/lustre/x:cap=2TB,qos=1GB/s'. $VARS and ~ are expanded in each "
+                        "process ($RANK, $LOCAL_RANK, $SLURM_JOB_ID); the result must be an absolute path "
+                        "without control characters (a $VAR that is not set is an error). Bandwidths above "
+                        "10TB/s (shared=job: 100TB/s) are refused. Required with --mlp-offload.")
     g.add_argument("--mlp-offload-subgroup-size", type=str, default=format_count(_DEFAULTS["subgroup_params"]),
                    metavar="N",
                    help="Parameters per subgroup, the unit streamed through host memory "
@@ -76,13 +80,15 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "(staging + two subgroup buffers) is an error naming both. 0 = the configured pipeline, "
                         "no cache.")
     g.add_argument("--mlp-offload-prefetch-depth", type=int, default=_DEFAULTS["prefetch_depth"], metavar="N",
-                   help="Subgroups fetched from storage ahead of the one being updated.")
+                   help=f"Subgroups fetched from storage ahead of the one being updated (0 to {MAX_PIPELINE_DEPTH}).")
     g.add_argument("--mlp-offload-flush-depth", type=int, default=_DEFAULTS["flush_depth"], metavar="N",
                    help="Updated subgroups whose write-back to storage may be in flight at once on each tier. "
                         "The pipeline holds prefetch depth + flush depth + 1 subgroup buffers whatever the "
-                        "number of tiers, within --mlp-offload-host-memory (both depths lowered to fit).")
+                        "number of tiers, within --mlp-offload-host-memory (both depths lowered to fit). "
+                        f"1 to {MAX_PIPELINE_DEPTH}.")
     g.add_argument("--mlp-offload-tokens-per-tier", type=int, default=_DEFAULTS["tokens_per_tier"], metavar="N",
-                   help="Processes of one node that may do I/O on one physical tier at a time.")
+                   help=f"Processes of one node that may do I/O on one physical tier at a time (1 to "
+                        f"{MAX_TOKENS_PER_TIER}).")
     g.add_argument("--mlp-offload-order", type=str, default=_DEFAULTS["order"], choices=ORDER_POLICIES,
                    help="Subgroup order: 'alternate' (ascending, then descending, so the subgroups "
                         "updated last are still cached) or 'ascending'.")
@@ -90,15 +96,17 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="I/O backend: 'auto' picks io_uring where the kernel allows it, else threads.")
     g.add_argument("--mlp-offload-io-block-size", type=str, default=format_size(_DEFAULTS["block_bytes"]),
                    metavar="SIZE",
-                   help="Bytes per I/O task, a multiple of 4096 (e.g. 1MiB, 8MiB).")
+                   help=f"Bytes per I/O task, a multiple of 4096 from 4096 to {format_size(MAX_IO_BLOCK_BYTES)} "
+                        "(e.g. 1MiB, 8MiB).")
     g.add_argument("--mlp-offload-io-queue-depth", type=int, default=_DEFAULTS["queue_depth"], metavar="N",
-                   help="I/O tasks in flight per engine.")
+                   help=f"I/O tasks in flight per engine (1 to {MAX_IO_QUEUE_DEPTH}).")
     g.add_argument("--mlp-offload-io-threads", type=int, default=_DEFAULTS["io_threads"], metavar="N",
                    help="Worker threads of the thread-pool I/O backend (as many as the queue depth, so every "
-                        "queued task can be in flight when io_uring is unavailable).")
+                        f"queued task can be in flight when io_uring is unavailable). 1 to {MAX_IO_THREADS}.")
     g.add_argument("--mlp-offload-adam-threads", type=int, default=_DEFAULTS["adam_threads"], metavar="N",
                    help="Threads of the fused CPU Adam kernel. 0: every core the rank may run on while no "
-                        "tier I/O is in flight, one fewer while some is (the I/O path needs a core).")
+                        "tier I/O is in flight, one fewer while some is (the I/O path needs a core). At most "
+                        "the machine's CPUs.")
     g.add_argument("--mlp-offload-calibration", type=str, default=_DEFAULTS["calibration"], metavar="auto|off|FILE",
                    help="Tier bandwidths: 'auto' measures once per node and caches the result "
                         "(megatron-mlp calibrate), 'off' uses bw= options or equal shares, "
@@ -113,7 +121,8 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "Default: $SLURM_JOB_ID, $PBS_JOBID or torchrun's $TORCHELASTIC_RUN_ID, else 'job'.")
     g.add_argument("--mlp-offload-io-timeout", type=float, default=_DEFAULTS["io_timeout_s"], metavar="SECONDS",
                    help="A tier read or write not finished after this long fails with ETIMEDOUT (never an "
-                        "endless wait); the tier is taken out of service and its subgroups move to the others.")
+                        "endless wait); the tier is taken out of service and its subgroups move to the others. "
+                        f"At most {MAX_IO_TIMEOUT_S:.0f} (30 days).")
     g.add_argument("--mlp-offload-no-checksum", dest="mlp_offload_checksum", action="store_false",
                    default=_DEFAULTS["checksum"],
                    help="Do not verify a checksum of every subgroup read back from storage.")

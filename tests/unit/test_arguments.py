@@ -73,7 +73,7 @@ def test_every_flag_reaches_its_config_field(tmp_path):
         "--mlp-offload-prefetch-depth", "3", "--mlp-offload-tokens-per-tier", "2",
         "--mlp-offload-order", "ascending", "--mlp-offload-io-backend", "threads",
         "--mlp-offload-io-block-size", "2MiB", "--mlp-offload-io-queue-depth", "16",
-        "--mlp-offload-io-threads", "6", "--mlp-offload-adam-threads", "3", "--mlp-offload-calibration", str(calib),
+        "--mlp-offload-io-threads", "6", "--mlp-offload-adam-threads", "1", "--mlp-offload-calibration", str(calib),
         "--mlp-offload-runtime-dir", str(tmp_path), "--mlp-offload-no-checksum",
         "--mlp-offload-no-multipath", "--mlp-offload-no-tier-tokens", "--mlp-offload-no-cache-order",
         "--mlp-offload-no-deferred-upcast")
@@ -83,7 +83,7 @@ def test_every_flag_reaches_its_config_field(tmp_path):
     assert cfg.subgroup_params == 25_000_000
     assert cfg.host_memory_bytes == 8 * 10**9
     assert (cfg.prefetch_depth, cfg.tokens_per_tier, cfg.order, cfg.backend) == (3, 2, "ascending", "threads")
-    assert (cfg.block_bytes, cfg.queue_depth, cfg.io_threads, cfg.adam_threads) == (2 << 20, 16, 6, 3)
+    assert (cfg.block_bytes, cfg.queue_depth, cfg.io_threads, cfg.adam_threads) == (2 << 20, 16, 6, 1)
     assert cfg.calibration == str(calib) and cfg.runtime_dir == str(tmp_path)
     assert not (cfg.checksum or cfg.multipath or cfg.use_tokens or cfg.cache_order or cfg.deferred_upcast)
 

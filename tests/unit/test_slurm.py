@@ -22,6 +22,7 @@ import pytest
 
 from megatron_mlp import slurm
 from megatron_mlp.errors import ConfigError
+from megatron_mlp.shell_words import walltime_seconds
 from megatron_mlp.slurm import SlurmJob, render_job_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -193,7 +194,9 @@ argv = sys.argv[1:]
 if argv[:3] == ["-m", "megatron_mlp", "calibrate"]:
     cache = argv[argv.index("--cache") + 1]
     with open(os.environ["FAKE_LOG"], "a") as f:
-        f.write(json.dumps({"cmd": "calibrate", "argv": argv[3:], "node": os.environ["SLURMD_NODENAME"]}) + "\n")
+        f.write(json.dumps({"cmd": "calibrate", "argv": argv[3:], "node": os.environ["SLURMD_NODENAME"],
+                            # calibrate expands $VARS in --paths itself, as the training does
+                            "paths": os.path.expandvars(argv[argv.index("--paths") + 1])}) + "\n")
     if not os.path.exists(cache):  # the real command measures once, then reuses its cache
         open(cache, "w").write(json.dumps({"node": os.environ["SLURMD_NODENAME"]}))
     sys.exit(0)
@@ -207,9 +210,10 @@ if argv[:2] == ["-m", "torch.distributed.run"]:
     with open(os.environ["FAKE_LOG"], "a") as f:
         f.write(json.dumps({"cmd": "torchrun", "argv": argv, "node": node}) + "\n")
     sys.exit(max(p.wait() for p in procs))
-paths = os.path.expandvars(argv[argv.index("--mlp-offload-paths") + 1])
+paths = argv[argv.index("--mlp-offload-paths") + 1]
 calib = os.path.expandvars(argv[argv.index("--mlp-offload-calibration") + 1])
-dirs = [p.split(":")[0] for p in paths.split(";")]
+# as parse_tier_paths: split at ';' and ':' first, then expand, so the values are data
+dirs = [os.path.expandvars(p.split(":")[0]) for p in paths.split(";")]
 rec = {"cmd": "train", "argv": argv, "rank": os.environ["RANK"], "local_rank": os.environ["LOCAL_RANK"],
        "world_size": os.environ["WORLD_SIZE"], "master": os.environ.get("MASTER_ADDR"), "dirs": dirs,
        "modes": [oct(os.stat(d).st_mode & 0o777) for d in dirs], "calibration": calib,
@@ -298,7 +302,7 @@ def test_calibration_runs_per_node_into_a_cache_kept_across_jobs(tmp_path):
     assert sorted(r["node"] for r in calibrations) == ["node0", "node0", "node1", "node1"]
     for r in calibrations:
         # the node's base directories, not the job's: the figures stay valid for later jobs
-        assert r["argv"][r["argv"].index("--paths") + 1] == f"{tmp_path / 'nvme'};{tmp_path / 'pfs'}"
+        assert r["paths"] == f"{tmp_path / 'nvme'};{tmp_path / 'pfs'}"
         assert r["argv"][r["argv"].index("--cache") + 1] == str(tmp_path / "calib" / f"{r['node']}.json")
         assert r["argv"][r["argv"].index("--procs") + 1] == "2"
     assert sorted(os.listdir(tmp_path / "calib")) == ["node0.json", "node1.json"]
@@ -370,7 +374,7 @@ def test_pbs_script_matches_golden_file_and_passes_bash_syntax_check(name, tmp_p
 @pytest.mark.parametrize("time,seconds", [("06:00:00", 21600), ("1-00:00:00", 86400), ("90", 5400),
                                           ("10:30", 630)])
 def test_slurm_times_convert_to_pbs_walltime(time, seconds):
-    assert slurm._walltime_seconds(time) == seconds
+    assert walltime_seconds(time) == seconds
 
 
 def test_pbs_job_runs_ranks_with_private_scratch_and_exits_before_walltime(tmp_path):
