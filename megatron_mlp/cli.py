@@ -98,11 +98,13 @@ def main(argv: list[str] | None = None) -> int:
             print(_usage())
             return 0
         if rest[0] not in BENCHMARKS:
-            print(f"megatron-mlp bench: unknown benchmark {rest[0]!r}\n\n{_usage()}", file=sys.stderr)
+            print(f"megatron-mlp bench: error: unknown benchmark {one_line(repr(rest[0]))} "
+                  "(megatron-mlp --help lists them)", file=sys.stderr)
             return 2
         return _run(f"bench {rest[0]}", BENCHMARKS[rest[0]][0], rest[1:])
     if command not in COMMANDS:
-        print(f"megatron-mlp: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"megatron-mlp: error: unknown command {one_line(repr(command))} (megatron-mlp --help lists them)",
+              file=sys.stderr)
         return 2
     return _run(command, COMMANDS[command][0], rest)
 
