@@ -114,14 +114,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_plot_available(path: str | None) -> None:
+def _check_plot_target(path: str | None) -> str | None:
+    """``--plot``: a .png/.svg/.pdf that can be created, and matplotlib (checked before measuring)."""
     if path is None:
-        return
-    try:
-        import matplotlib  # noqa: F401 (optional dependency)
-    except ImportError as e:
-        raise ConfigError(f"--plot {path}: needs matplotlib, which is not installed ({e}); "
-                          "pip install matplotlib (or this package's [plot] extra)") from None
+        return None
+    from megatron_mlp.observe.plot import check_plot_target
+    return check_plot_target(path, "--plot")
+
+
+MAX_SUBGROUPS_PER_RANK = 100_000
+"""More subgroups than this per rank are refused: the run (and its baseline's plan) walks each one."""
+
+
+def _check_state_size(args, tiers) -> None:
+    """Refuse a state that the tiers cannot hold, or that cuts into absurdly many subgroups, before
+    anything is enumerated or measured, naming the flag."""
+    free = sum(os.statvfs(spec.path).f_bavail * os.statvfs(spec.path).f_frsize for spec in tiers)
+    need = 12 * args.num_params   # fp32 param, exp_avg and exp_avg_sq, over all ranks
+    if need > free:
+        raise ConfigError(f"--num-params: {args.num_params:,} params need {need:,} bytes of optimizer state "
+                          f"(12 per param) but the tiers have {free:,} bytes free")
+    per_rank = args.num_params // args.ranks
+    count = -(-per_rank // args.subgroup_params)
+    if count > MAX_SUBGROUPS_PER_RANK:
+        raise ConfigError(f"--subgroup-params: {args.subgroup_params:,} params per subgroup cut the {per_rank:,} "
+                          f"params per rank into {count:,} subgroups; at most {MAX_SUBGROUPS_PER_RANK:,} are run: "
+                          "raise --subgroup-params")
 
 
 def _budgets(text: str | None, baseline_bytes: int) -> list[int]:
@@ -157,11 +175,16 @@ def _checked_args(argv):
                         ("--ranks", args.ranks), ("--steps", args.steps)):
         if value <= 0:
             raise ConfigError(f"{flag}: {value} must be positive")
+    if args.prefetch_depth < 0:
+        raise ConfigError(f"--prefetch-depth: {args.prefetch_depth} must be >= 0")
+    if args.flush_depth < 1:
+        raise ConfigError(f"--flush-depth: {args.flush_depth} must be >= 1")
+    _check_state_size(args, tiers)
     if args.adam_threads < 0:
         raise ConfigError(f"--adam-threads: {args.adam_threads} must be 0 (automatic) or a thread count")
     if args.num_params // args.ranks <= 0:
         raise ConfigError(f"--num-params: {args.num_params} is fewer than one per rank (--ranks {args.ranks})")
-    _check_plot_available(args.plot)
+    args.plot = _check_plot_target(args.plot)
     args.host_memory_list = _budgets(args.host_memory, baseline_host_bytes(args.num_params // args.ranks,
                                                                           args.subgroup_params))
     args.host_memory = args.host_memory_list[0]
@@ -224,6 +247,8 @@ def run(argv: list[str] | None = None) -> tuple[UpdateResult, argparse.Namespace
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Raises ConfigError (every flag is checked before anything is measured): ``megatron-mlp``'s
+    wrapper prints it as one line."""
     result, args = run(argv)
     if args.plot:
         plot_sweep(result, args.plot)

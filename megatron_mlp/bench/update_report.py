@@ -6,6 +6,17 @@ from megatron_mlp.bench.update_result import UpdateResult
 GB = 1e9
 
 
+def _f(value, spec: str = ".2f") -> str:
+    """A figure, or 'n/a' where the run has none (a ratio over a zero reference: no I/O at all when
+    the whole state fits in host memory; a step with nothing to replay)."""
+    return "n/a" if value is None else format(value, spec)
+
+
+def _x(value) -> str:
+    """A ratio as 'x1.23', or 'n/a'."""
+    return "n/a" if value is None else f"x{value:.2f}"
+
+
 def _header(c: dict) -> str:
     return (f"bench update: {c['num_params']:,} params, subgroups of {c['subgroup_params']:,}, "
             f"host memory per rank {c['host_memory_bytes'] / GB:.2f} GB for each side, "
@@ -27,11 +38,11 @@ def _tier_lines(t: dict) -> list[str]:
                 if after else "")
              + f"; MLP moved {t['mlp_bytes_read_per_step'] / GB:.2f} GB read + "
              f"{t['mlp_bytes_written_per_step'] / GB:.2f} GB written per step -> reference "
-             f"{t['io_reference_s']:.2f} s"]
+             f"{_f(t['io_reference_s'])} s"]
     if t.get("alongside_adam"):
         a = t["alongside_adam"]
-        lines.append(f"    alongside the Adam kernel on one core it reads at {a['read_vs_idle']:.2f}x and writes "
-                     f"at {a['write_vs_idle']:.2f}x its idle rate; the reference assumes idle cores")
+        lines.append(f"    alongside the Adam kernel on one core it reads at {_f(a['read_vs_idle'])}x and writes "
+                     f"at {_f(a['write_vs_idle'])}x its idle rate; the reference assumes idle cores")
     return lines
 
 
@@ -40,8 +51,8 @@ def _deepspeed_line(ds: dict) -> str:
         return f"DeepSpeed's own update (--vs-deepspeed): not measured ({ds['unavailable']})"
     return (f"DeepSpeed's own update (its aio handle + DeepSpeedCPUAdam, same subgroups and path): "
             f"{ds['seconds']:.2f} s (min {ds['min_s']:.2f}, max {ds['max_s']:.2f}); the baseline takes "
-            f"x{ds['baseline_vs_deepspeed']:.2f} its time; host memory {ds['host_bytes'] / GB:.2f} GB; "
-            f"MLP-Offload is {ds['speedup_vs_deepspeed']:.2f}x faster than it")
+            f"{_x(ds['baseline_vs_deepspeed'])} its time; host memory {ds['host_bytes'] / GB:.2f} GB; "
+            f"MLP-Offload is {_f(ds['speedup_vs_deepspeed'])}x faster than it")
 
 
 def format_text(r: UpdateResult) -> str:
@@ -55,7 +66,7 @@ def format_text(r: UpdateResult) -> str:
     if r.deepspeed is not None:
         lines.append(_deepspeed_line(r.deepspeed))
     for a in r.ablation:
-        lines.append(f"  {a['name']:<42} {a['seconds']:7.2f} s  ({a['speedup']:.2f}x)")
+        lines.append(f"  {a['name']:<42} {a['seconds']:7.2f} s  ({_f(a['speedup'])}x)")
     if mlp["no_checksum_s"] is not None:
         lines.append(f"  (MLP-Offload without checksums: {mlp['no_checksum_s']:.2f} s; crc32c threads "
                      f"busy {mlp['checksum_thread_s']:.2f} s per step, overlapped with I/O)")
@@ -65,30 +76,30 @@ def format_text(r: UpdateResult) -> str:
                  f"{mlp['host_bytes'] / GB:.2f} GB measured ({m['working_buffers']} working buffers, prefetch "
                  f"{m['prefetch_depth']} / flush {m['flush_depth']}, + {m['cache_buffers']} cache buffers); gradients "
                  f"and params out, the device's side in training, counted on neither side")
-    lines.append(f"MLP-Offload: {mlp['seconds']:.2f} s -> {sp['update']:.2f}x the baseline at that memory; "
+    lines.append(f"MLP-Offload: {mlp['seconds']:.2f} s -> {_f(sp['update'])}x the baseline at that memory; "
                  f"alternating step by step with it: {p['baseline_s']:.2f} s against "
-                 f"{p['mlp_beside_baseline_s']:.2f} s -> {sp['paired']:.2f}x")
+                 f"{p['mlp_beside_baseline_s']:.2f} s -> {_f(sp['paired'])}x")
     if len(r.sweep) > 1:
         lines.append("speed-up per host-memory budget (MLP-Offload's measured host bytes):")
         for row in r.sweep:
-            lines.append(f"  {row['host_memory_bytes'] / GB:7.2f} GB  {row['mlp_s']:7.2f} s  {row['speedup']:.2f}x  "
+            lines.append(f"  {row['host_memory_bytes'] / GB:7.2f} GB  {row['mlp_s']:7.2f} s  {_f(row['speedup'])}x  "
                          f"({row['mlp_host_bytes'] / GB:.2f} GB used, {row['host_memory']['cache_buffers']} cache "
                          f"buffers)")
-    lines.append(f"references (yardsticks from the bandwidth passes, not bounds): I/O {ref['io_s']:.2f} s "
-                 f"(MLP-Offload x{ref['mlp_vs_io']:.2f}); placement model predicted {ref['predicted_s']:.2f} s")
+    lines.append(f"references (yardsticks from the bandwidth passes, not bounds): I/O {_f(ref['io_s'])} s "
+                 f"(MLP-Offload {_x(ref['mlp_vs_io'])}); placement model predicted {_f(ref['predicted_s'])} s")
     lines.append(f"the step's kernels alone on {ref['kernel_threads'] or 'every'} thread(s), no I/O: "
                  f"{ref['kernel_s']:.2f} s; step reference, the larger of that and the I/O reference: "
-                 f"{ref['step_s']:.2f} s (x{ref['mlp_vs_step']:.2f})")
+                 f"{ref['step_s']:.2f} s ({_x(ref['mlp_vs_step'])})")
     if p["replay_s"] is not None:
         err = p["pipeline_overhead_stderr_s"]
         lines.append(f"the same bytes moved by the engine alone (no kernel, no pipeline), after each of "
                      f"{len(p['replay_steps_s'])} more steps: {p['replay_s']:.2f} s = "
-                     f"x{p['replay_vs_io_reference']:.2f} the I/O reference, MLP-Offload's steps beside them "
-                     f"{p['mlp_s']:.2f} s (x{p['mlp_vs_replay']:.2f}); the pipeline costs "
-                     f"{p['pipeline_overhead_s']:+.3f} s a step" + (f" (standard error {err:.3f})" if err else ""))
+                     f"{_x(p['replay_vs_io_reference'])} the I/O reference, MLP-Offload's steps beside them "
+                     f"{p['mlp_s']:.2f} s ({_x(p['mlp_vs_replay'])}); the pipeline costs "
+                     f"{_f(p['pipeline_overhead_s'], '+.3f')} s a step" + (f" (standard error {err:.3f})" if err else ""))
     if sp["reference"] is not None:
         lines.append(f"policy reference: a fluid schedule under this byte policy on these bandwidths takes "
-                     f"{ref['policy_s']:.2f} s ({sp['reference']:.2f}x the baseline)")
+                     f"{ref['policy_s']:.2f} s ({_f(sp['reference'])}x the baseline)")
     for flag in r.faster_than_reference:
         lines.append(f"FASTER THAN ITS REFERENCE: {flag} (the device ran faster than its bandwidth passes)")
     if r.emulated_paths:

@@ -31,11 +31,14 @@ def main(argv: list[str] | None = None) -> int:
         other = doc.get("otherData", {})
         title = args.title or (f"MLP-Offload timeline, steps {other['steps']} ({os.path.basename(args.trace)})"
                                if "steps" in other else "")
-        plot_timeline(doc, out, title=title, flag="-o")
+        notes: list[str] = []
+        plot_timeline(doc, out, title=title, flag="-o", notes=notes)
     except ConfigError as e:
         print(f"megatron-mlp timeline: error: {e}", file=sys.stderr)
         return 2
     print(out)
+    for note in notes:
+        print(f"note: {note}")
     return 0
 
 

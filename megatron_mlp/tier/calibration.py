@@ -24,7 +24,7 @@ from megatron_mlp.engine.defaults import DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEU
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier.calibration_cache import (PathCalibration, cache_error, cache_key, default_cache_path,
                                                  host_name, load_cache, load_calibration_file, locked_cache,
-                                                 lookup, save_cache)
+                                                 lookup, save_cache, with_fs_identity)
 from megatron_mlp.tier.device import device_info
 from megatron_mlp.tier.spec import TierSpec
 from megatron_mlp.tier.workers import run_workers, worker_mp_context
@@ -306,7 +306,7 @@ def calibrate_paths(paths, cache_path: str | None = None, size_bytes: int = DEFA
             if cal is not None:
                 out.append((cal, True))
                 continue
-            cal = measure(path, size_bytes=size_bytes, procs=procs)
+            cal = with_fs_identity(measure(path, size_bytes=size_bytes, procs=procs), path)
             entries[cache_key(cal)] = cal.to_dict()
             changed = True
             out.append((cal, False))
@@ -366,7 +366,9 @@ def calibrations_for(specs, mode: str = "auto", cache_path: str | None = None, s
     if mode == "off":
         return [None] * len(specs), notes
     if mode != "auto":
-        return load_calibration_file(mode, [s.path for s in specs]), notes
+        # The file's flag is the cache's without '-cache' (--calibration, --mlp-offload-calibration).
+        flag = cache_flag[:-len("-cache")] if cache_flag.endswith("-cache") else "--mlp-offload-calibration"
+        return load_calibration_file(mode, [s.path for s in specs], flag=flag), notes
     need = [i for i, s in enumerate(specs) if s.read_bytes_per_s is None or s.write_bytes_per_s is None
             or s.shared_rw_limit is None]
     out: list = [None] * len(specs)

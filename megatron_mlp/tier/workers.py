@@ -3,8 +3,14 @@ contention benchmark): started without an engine's threads, together, and reaped
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import signal
+import threading
 import time
+
+# The signals that end a measurement: the parent turns them into exceptions and stops its workers.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def worker_mp_context(preload: list[str]):
@@ -17,7 +23,57 @@ def worker_mp_context(preload: list[str]):
     return mp.get_context("spawn")
 
 
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def _stop_signals_deferred():
+    """SIGINT, SIGTERM and SIGHUP wait until the block ends, then act as they would have.
+
+    A start cut in half leaves a child unpickling the queue and the barrier that the exiting parent
+    has just removed, and that child prints a traceback; so every worker is started, or none, and
+    the interruption then stops all that were. (A blocked signal mask would not do: any other
+    thread of the process, numpy's for one, takes the signal, and the main thread raises at once.)
+    """
+    if not _main_thread():   # only the main thread runs Python signal handlers
+        yield
+        return
+    pending: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: pending.append(signum)) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        if pending:
+            signal.raise_signal(pending[0])
+
+
+def _ensure_fork_server(ctx) -> None:
+    """Start the fork server, if ``ctx`` uses one, with SIGINT ignored: the server and every worker
+    forked from it inherit that from birth (Python keeps an inherited SIG_IGN), so a Ctrl-C to the
+    process group reaches none of them while they import or unpickle -- the parent, which gets it
+    too, stops them. The parent's SIGINT is ignored only for the fork and exec of the server."""
+    if ctx.get_start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+    if not _main_thread():
+        forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+
+
 def _report(queue, fn, args) -> None:
+    # The parent owns the run: a Ctrl-C that reaches the whole process group is the parent's to
+    # act on (it terminates its workers), and its SIGTERM ends a worker silently.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
     try:
         queue.put(("ok", fn(*args)))
     except BaseException as e:  # reported to the parent with its message
@@ -35,12 +91,15 @@ def run_workers(ctx, fn, jobs: list[tuple], *, what: str, timeout: float = 600.0
             seconds ("a ``what`` process did not report in time").
     """
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_report, args=(queue, fn, job)) for job in jobs]
-    for p in procs:
-        p.start()
+    procs = []
     results, errors = [], []
-    deadline = time.monotonic() + timeout
+    _ensure_fork_server(ctx)
     try:
+        with _stop_signals_deferred():   # all started, or (an error) those started are stopped below
+            for job in jobs:
+                procs.append(ctx.Process(target=_report, args=(queue, fn, job)))
+                procs[-1].start()
+        deadline = time.monotonic() + timeout
         for _ in procs:
             try:
                 kind, value = queue.get(timeout=max(1.0, deadline - time.monotonic()))
@@ -52,10 +111,13 @@ def run_workers(ctx, fn, jobs: list[tuple], *, what: str, timeout: float = 600.0
         # Interrupted (Ctrl-C, SIGTERM turned into an exception): stop the workers now rather than
         # let them run on for the join below; the caller removes what they leave behind.
         for p in procs:
-            p.terminate()
+            if p.pid is not None:
+                p.terminate()
         raise
     finally:
         for p in procs:
+            if p.pid is None:
+                continue   # its start failed: nothing to reap
             p.join(10)
             if p.is_alive():
                 p.kill()

@@ -365,7 +365,7 @@ def test_bench_update_refuses_plot_naming_matplotlib_when_it_is_absent(disk_dir,
         return real_import(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    with pytest.raises(ConfigError, match="--plot .*matplotlib"):
+    with pytest.raises(ConfigError, match="--plot: .*matplotlib"):
         update.main(["--paths", disk_dir, "--num-params", "300000", "--plot", os.path.join(disk_dir, "x.png")])
 
 
@@ -440,3 +440,13 @@ def _read_ds_state(ds, i):
     buf = ds.state_bufs[0][:3 * ds.padded[i]]
     ds._sync(False, buf, ds._file(i, "state"))
     return buf.clone()
+
+
+def test_the_text_report_says_n_a_for_ratios_without_a_reference_when_the_state_fits_in_host_memory(disk_dir):
+    # One subgroup of 1M params under the default 25M: the state never leaves host memory, so the
+    # I/O reference is zero and the ratios over it have no value.
+    result, _ = update.run(["--paths", disk_dir, "--num-params", "1000000", "--calib-bytes", "8MB", "--steps", "3",
+                            "--no-ablation", "--no-interference"])
+    assert result.references["mlp_vs_io"] is None
+    text = update_report.format_text(result)
+    assert "I/O 0.00 s (MLP-Offload n/a)" in text and "None" not in text
