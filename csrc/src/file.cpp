@@ -13,10 +13,10 @@ FileDescriptors::~FileDescriptors() {
     if (buffered_fd >= 0) ::close(buffered_fd);
 }
 
-static int open_retry(const char* path, int flags) {
+static int open_retry(int dir_fd, const char* path, int flags) {
     int fd;
     do {
-        fd = ::open(path, flags, 0644);
+        fd = ::openat(dir_fd, path, flags, 0600);
     } while (fd < 0 && errno == EINTR);
     return fd;
 }
@@ -29,12 +29,12 @@ static bool same_inode(int a, int b) {
 // A second descriptor of the file open as `fd`, with O_DIRECT, without looking its name up again:
 // through /proc/self/fd, which names the open inode itself, so a name swapped since (for a symlink,
 // or for another file) cannot redirect it. Without /proc, the name is opened once more with
-// O_NOFOLLOW and accepted only if it is still the same inode.
-static int reopen_direct(int fd, const std::string& path, int flags, int* err) {
+// O_NOFOLLOW (relative to the same directory descriptor) and accepted only if it is still the same inode.
+static int reopen_direct(int fd, int dir_fd, const std::string& path, int flags, int* err) {
     const std::string self = "/proc/self/fd/" + std::to_string(fd);
-    int direct = open_retry(self.c_str(), flags | O_DIRECT);
+    int direct = open_retry(AT_FDCWD, self.c_str(), flags | O_DIRECT);
     if (direct < 0 && (errno == ENOENT || errno == EACCES)) {
-        direct = open_retry(path.c_str(), flags | O_DIRECT | O_NOFOLLOW);
+        direct = open_retry(dir_fd, path.c_str(), flags | O_DIRECT | O_NOFOLLOW);
     }
     if (direct < 0) {
         *err = errno;
@@ -56,7 +56,7 @@ std::shared_ptr<File> File::open(const std::string& path, const OpenOptions& o, 
     if (o.truncate && !o.read_only) first |= O_TRUNC;
 
     auto fds = std::make_shared<FileDescriptors>();
-    fds->buffered_fd = open_retry(path.c_str(), first);
+    fds->buffered_fd = open_retry(o.dir_fd, path.c_str(), first);
     if (fds->buffered_fd < 0) {
         const int e = errno;
         std::string why = e == ELOOP ? " (it is a symlink, which is never followed)" : "";
@@ -69,7 +69,7 @@ std::shared_ptr<File> File::open(const std::string& path, const OpenOptions& o, 
     f->read_only_ = o.read_only;
     if (o.direct) {
         int e = EINVAL;
-        int fd = o.refuse_direct ? -1 : reopen_direct(fds->buffered_fd, path, flags, &e);
+        int fd = o.refuse_direct ? -1 : reopen_direct(fds->buffered_fd, o.dir_fd, path, flags, &e);
         if (fd >= 0) {
             fds->direct_fd = fd;
             f->direct_ = true;

@@ -16,11 +16,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+import uuid
 
 from megatron_mlp.bench.common import stdout_to_stderr
 from megatron_mlp.errors import ConfigError, EngineUnavailable
+import megatron_mlp.tier.safe_path as safe_path
 
 GB = 1e9
 _DS_VARIANTS = ("deepspeed", "engine_on_deepspeed_buffer")
@@ -173,8 +174,13 @@ def run(a) -> dict:
                 continue
             engines[eng.backend if b == "auto" else b] = eng
         use_fio = not a.no_fio and shutil.which("fio") is not None
-        fd, path = tempfile.mkstemp(prefix="mlp-bench-io-", suffix=".bin", dir=a.path)
-        os.close(fd)
+        # The file is made by the first engine's open (O_CREAT|O_EXCL|O_NOFOLLOW) relative to the
+        # directory's descriptor, whose every component was checked, and reached through it since;
+        # fio and DeepSpeed, which take a path, get one through that same descriptor.
+        dir_fd = safe_path.open_dir(os.path.abspath(a.path), flag="--path")
+        file_name = f"mlp-bench-io-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+        path = f"/proc/{os.getpid()}/fd/{dir_fd}/{file_name}"
+        created = False
         results: dict[str, dict[str, list[float]]] = {name: {"write": [], "read": []} for name in engines}
         fio_res: dict[str, list[float]] = {"write": [], "read": []}
         # DeepSpeed on its own page-locked buffer (what its swapper uses), and the engine on that
@@ -187,7 +193,8 @@ def run(a) -> dict:
             first = next(iter(engines.values()))
             buf = first.alloc(min(a.buffer_bytes, a.size_bytes))
             buf.numpy()[:] = 0xA5
-            f0 = first.open(path)
+            f0 = first.open(file_name, create=True, exclusive=True, dir_fd=dir_fd)
+            created = True
             _engine_pass(first, f0, buf, a.size_bytes, write=True)  # lay the file out once, unmeasured
             f0.close()
             if a.vs_deepspeed:
@@ -198,10 +205,10 @@ def run(a) -> dict:
                     ds_tensor = _deepspeed_own_buffer(handle, a.size_bytes)
                     ds_runs["deepspeed"] = _deepspeed_pass(handle, ds_tensor, path)
                     primary_engine = engines.get("io_uring") or first
-                    ds_file = primary_engine.open(path)
+                    ds_file = primary_engine.open(file_name, create=False, dir_fd=dir_fd)
                     ds_runs["engine_on_deepspeed_buffer"] = lambda w: _engine_pass(
                         primary_engine, ds_file, ds_tensor, a.size_bytes, w)
-            handles = {name: eng.open(path) for name, eng in engines.items()}
+            handles = {b: eng.open(file_name, create=False, dir_fd=dir_fd) for b, eng in engines.items()}
             for rep in range(a.repeats):
                 runners = [(name, lambda w, n=name: _engine_pass(engines[n], handles[n], buf, a.size_bytes, w))
                            for name in engines]
@@ -225,7 +232,9 @@ def run(a) -> dict:
             if ds_file is not None:
                 ds_file.close()
         finally:
-            os.unlink(path)
+            if created:
+                safe_path.unlink_names(dir_fd, [file_name])
+            os.close(dir_fd)
     finally:
         for eng in engines.values():
             eng.close()

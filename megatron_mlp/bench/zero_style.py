@@ -18,7 +18,6 @@ Benchmark-only: it keeps no checksums and overwrites in place, as its model does
 """
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -50,8 +49,8 @@ class ZeroStyleOffload:
         # same path while this one is open sees it as live, not as one it cannot judge.
         self.scratch = create_scratch_dir(path, "zero3", job_id="bench")
         self.dir = self.scratch.path
-        self.state_file = engine.open(os.path.join(self.dir, "state.bin"), create=True, direct=True)
-        self.grad_file = engine.open(os.path.join(self.dir, "grads.bin"), create=True, direct=True)
+        self.state_file = self.scratch.open_engine(engine, "state.bin", create=True)   # O_EXCL, via the dir's fd
+        self.grad_file = self.scratch.open_engine(engine, "grads.bin", create=True)
         self.state_off, self.grad_off, s, g = [], [], 0, 0
         for sg in self.plan:
             self.state_off.append(s)

@@ -22,6 +22,7 @@ logger = logging.getLogger("megatron_mlp.engine")
 
 _BACKENDS = ("auto", "io_uring", "threads")
 _OPS = {"any": -1, "read": 0, "write": 1}
+_AT_FDCWD = -100   # openat(2): a path relative to the cwd (or absolute)
 
 
 def _core():
@@ -281,12 +282,15 @@ class Engine:
 
     def open(self, path: str | os.PathLike, create: bool = True, direct: bool = True, *,
              read_only: bool = False, truncate: bool = False, refuse_direct: bool = False,
-             exclusive: bool = False) -> FileHandle:
+             exclusive: bool = False, dir_fd: int | None = None) -> FileHandle:
         """Open a file for engine I/O.
 
         A symlink at ``path`` is never followed (O_NOFOLLOW: ELOOP), and the file is looked up by
         name once: the O_DIRECT descriptor is opened from the first one. With ``exclusive`` (and
-        ``create``) the open fails with EEXIST unless it creates the file.
+        ``create``) the open fails with EEXIST unless it creates the file. A created file is 0600.
+        With ``dir_fd`` (an open directory descriptor) ``path`` is relative to that directory
+        (openat): a file in a directory the caller made and holds is never reached by the
+        directory's path, which another user might have swapped since.
 
         With ``direct`` the aligned body of each transfer uses O_DIRECT; when the file system refuses
         O_DIRECT (EINVAL), the file is served buffered and a warning is logged once per path.
@@ -296,7 +300,8 @@ class Engine:
             TierIOError: the file cannot be opened (errno and path).
         """
         path = os.fspath(path)
-        f, err, msg = self._eng.open(path, create, truncate, read_only, direct, refuse_direct, exclusive)
+        at = _AT_FDCWD if dir_fd is None else int(dir_fd)
+        f, err, msg = self._eng.open(path, create, truncate, read_only, direct, refuse_direct, exclusive, at)
         if err:
             raise TierIOError(err, msg, path)
         if direct and not f.direct and path not in self._warned_paths:

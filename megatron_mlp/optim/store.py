@@ -73,6 +73,7 @@ class TierStore:
     _inode: tuple | None = None
     closed: bool = False
     trace: object = None          # a megatron_mlp.observe.trace.StepTrace: spans from the timestamps below
+    state_fd: int = -1            # our descriptor of the scratch file (reservations; never reopened by path)
 
     @classmethod
     def create(cls, index: int, spec, subgroups: list[Subgroup], *, engine_factory, token_factory,
@@ -87,15 +88,19 @@ class TierStore:
         f = open_tier_file(spec, subgroups, engine_factory=engine_factory, job_tag=job_tag, job_id=job_id,
                            rank=rank)
         split = f.split_lanes
-        # A tier with separate read and write budgets gets a token per direction: one rank's
-        # write-back and another's fetch use different budgets and need not take turns.
-        token = token_factory(spec, "read" if split else "rw")
-        write_token = token_factory(spec, "write") if split else token
+        try:
+            # A tier with separate read and write budgets gets a token per direction: one rank's
+            # write-back and another's fetch use different budgets and need not take turns.
+            token = token_factory(spec, "read" if split else "rw")
+            write_token = token_factory(spec, "write") if split else token
+        except BaseException:
+            _close_tier_file(f)   # a refused start (no usable runtime dir, ...) leaves no scratch behind
+            raise
         store = cls(index=index, path=spec.path, scratch_dir=f.scratch_dir.path, file_path=f.file_path,
                     engine=f.engine, handle=f.handle, token=token, write_token=write_token, checksum=checksum,
                     split_lanes=split, records=f.records, write_engine=f.write_engine, write_handle=f.write_handle,
                     scratch=f.scratch_dir, io_timeout_s=io_timeout_s, end_offset=f.end_offset,
-                    capacity_bytes=spec.capacity_bytes, _inode=f.inode)
+                    capacity_bytes=spec.capacity_bytes, _inode=f.inode, state_fd=f.state_fd)
         store._read_lane = ThreadPoolExecutor(1, thread_name_prefix=f"mlp-tier{index}-io")
         store._cpu = ThreadPoolExecutor(1, thread_name_prefix=f"mlp-tier{index}-crc")
         store._write_lane = (ThreadPoolExecutor(1, thread_name_prefix=f"mlp-tier{index}-wr")
@@ -389,7 +394,7 @@ class TierStore:
         """Why the scratch file can no longer be reached by its path, naming the errno (deleted:
         ENOENT; its directory made unreadable: EACCES; ...), or None while it is there."""
         try:
-            st = os.stat(self.file_path)
+            st = os.stat(self.file_path, follow_symlinks=False)
         except OSError as e:
             what = "vanished" if e.errno == errno.ENOENT else "cannot be reached by its path"
             return (f"its scratch file {self.file_path} {what}: "
@@ -413,7 +418,7 @@ class TierStore:
         """Give ``sg`` two new slots at the end of this tier's file (failover; never written yet)."""
         with self._lock:
             # Reserved like the initial slots (OSError ENOSPC: no room here, try another tier).
-            reserve_space(self.file_path, self.end_offset + 2 * sg.region_bytes)
+            reserve_space(self.state_fd, self.end_offset + 2 * sg.region_bytes)
             self.records[sg.index] = SlotRecord((self.end_offset, self.end_offset + sg.region_bytes))
             self.end_offset += 2 * sg.region_bytes
 
@@ -448,8 +453,23 @@ class TierStore:
             self.engine.close()
             if self.write_engine is not self.engine:
                 self.write_engine.close()
+            if self.state_fd >= 0:
+                os.close(self.state_fd)
+                self.state_fd = -1
             if remove and self.scratch is not None:
                 self.scratch.remove()
+
+
+def _close_tier_file(f) -> None:
+    """Undo ``open_tier_file``: close the handles, engines and state file, remove the scratch dir."""
+    try:
+        for handle in {id(f.handle): f.handle, id(f.write_handle): f.write_handle}.values():
+            handle.close()
+        for engine in {id(f.engine): f.engine, id(f.write_engine): f.write_engine}.values():
+            engine.close()
+    finally:
+        os.close(f.state_fd)
+        f.scratch_dir.remove()
 
 
 def _crc32c(region) -> int:

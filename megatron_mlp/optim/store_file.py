@@ -35,7 +35,8 @@ class TierFile:
     """What ``open_tier_file`` opened: the scratch dir, its state file, the engine(s) and handle(s)."""
 
     scratch_dir: object           # megatron_mlp.tier.scratch.ScratchDir (owner record + lock)
-    file_path: str
+    file_path: str                # for messages: the file is reached through ``state_fd`` and the handles
+    state_fd: int                 # our descriptor of the state file (space reservations go through it)
     engine: object
     handle: object
     write_engine: object          # split lanes: a second engine; otherwise ``engine``
@@ -69,40 +70,48 @@ def open_tier_file(spec, subgroups: list[Subgroup], *, engine_factory, job_tag: 
             f"(two slots each) and its scratch dir ({reserve}) but has {free_bytes} free; "
             f"{need + reserve - free_bytes} bytes are missing")
     try:
-        scratch_dir = create_scratch_dir(spec.path, job_tag, job_id=job_id, rank=rank)   # 0700, locked
-        file_path = scratch_dir.file(STATE_FILE)                                           # 0600, O_EXCL|O_NOFOLLOW
+        # The tier path resolved component by component (another user's component refused), the
+        # scratch dir made and held as a checked descriptor (0700, locked); everything below is
+        # relative to it, never reopened by path.
+        scratch_dir = create_scratch_dir(spec.path, job_tag, job_id=job_id, rank=rank)
     except OSError as e:
-        raise TierIOError(e.errno, "--mlp-offload-paths: cannot create scratch state file", spec.path) from e
+        raise TierIOError(e.errno, "--mlp-offload-paths: cannot create scratch dir", spec.path) from e
+    engines, state_fd = [], -1
+    file_path = os.path.join(scratch_dir.path, STATE_FILE)
     try:
-        # Both slots of every subgroup, allocated now: a device filling up later (another
-        # job) cannot fail a flush with ENOSPC where the file system supports fallocate.
-        reserve_space(file_path, need)
-    except OSError as e:
-        scratch_dir.remove()
-        raise TierCapacityError(
-            f"--mlp-offload-paths: tier {spec.path} cannot reserve {need} bytes for {len(subgroups)} "
-            f"subgroups (two slots each): {e.strerror}; free space or lower the share of this path") from e
-    engines = []
-    try:
+        try:
+            state_fd = scratch_dir.create(STATE_FILE)                 # 0600, O_EXCL|O_NOFOLLOW
+        except OSError as e:
+            raise TierIOError(e.errno, "--mlp-offload-paths: cannot create scratch state file", file_path) from e
+        try:
+            # Both slots of every subgroup, allocated now: a device filling up later (another
+            # job) cannot fail a flush with ENOSPC where the file system supports fallocate.
+            reserve_space(state_fd, need)
+        except OSError as e:
+            raise TierCapacityError(
+                f"--mlp-offload-paths: tier {spec.path} cannot reserve {need} bytes for {len(subgroups)} "
+                f"subgroups (two slots each): {e.strerror}; free space or lower the share of this path") from e
         engine = engine_factory(spec)
         engines.append(engine)
-        handle = engine.open(file_path, create=False, direct=True)
-        st = os.stat(file_path)
+        handle = scratch_dir.open_engine(engine, STATE_FILE, create=False)   # openat on the dir's descriptor
+        st = os.fstat(state_fd)
         split = not shares_rw_limit(spec)  # separate read/write budgets: one lane each
         write_engine, write_handle = engine, handle
         if split:
             write_engine = engine_factory(spec)
             engines.append(write_engine)
-            write_handle = write_engine.open(file_path, create=False, direct=True)
+            write_handle = scratch_dir.open_engine(write_engine, STATE_FILE, create=False)
     except BaseException:
         for e in engines:
             e.close()
+        if state_fd >= 0:
+            os.close(state_fd)
         scratch_dir.remove()      # a tier that cannot start leaves nothing behind
         raise
     records, offset = {}, 0
     for sg in subgroups:
         records[sg.index] = SlotRecord((offset, offset + sg.region_bytes))
         offset += 2 * sg.region_bytes
-    return TierFile(scratch_dir=scratch_dir, file_path=file_path, engine=engine, handle=handle,
+    return TierFile(scratch_dir=scratch_dir, file_path=file_path, state_fd=state_fd, engine=engine, handle=handle,
                     write_engine=write_engine, write_handle=write_handle, split_lanes=split, records=records,
                     end_offset=offset, inode=(st.st_dev, st.st_ino))

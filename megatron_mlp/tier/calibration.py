@@ -25,7 +25,9 @@ from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier.calibration_cache import (PathCalibration, cache_error, cache_key, default_cache_path,
                                                  host_name, load_cache, load_calibration_file, locked_cache,
                                                  lookup, save_cache, with_fs_identity)
+import megatron_mlp.tier.safe_path as safe_path
 from megatron_mlp.tier.device import device_info
+from megatron_mlp.tier.scratch import CALIBRATE_PREFIX, calibrate_file_name
 from megatron_mlp.tier.spec import TierSpec
 from megatron_mlp.tier.workers import run_workers, worker_mp_context
 
@@ -49,7 +51,6 @@ class TierBandwidth:
 # Measurement (each process uses its own Engine; workers come from a fork server or are spawned,
 # so that no engine thread is ever forked)
 # ---------------------------------------------------------------------------------------------
-CALIBRATE_PREFIX = ".mlp-calibrate-"
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,12 @@ def _io_pass(directory: str, size_bytes: int, phases: tuple[str, ...], barrier, 
              options: PassOptions = PassOptions()) -> dict:
     from megatron_mlp.engine import Engine
 
-    # The run's tag first: whatever a killed worker leaves behind, the run finds by name and removes.
-    file_path = os.path.join(directory, f"{CALIBRATE_PREFIX}{run_tag}-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    # The run's tag first: whatever a killed worker leaves behind, the run finds by name and removes;
+    # then this process's pid and host: the stale scan of a later start removes it once we are gone.
+    file_name = calibrate_file_name(run_tag, name)
     result = {"direct": False, "backend": ""}
     created = False
+    dir_fd = safe_path.open_dir(directory, flag="calibration path")   # every component checked
     threads = {} if options.num_threads is None else {"num_threads": options.num_threads}
     eng = Engine(backend=options.backend, block_bytes=block_bytes, queue_depth=queue_depth,
                  read_limit_bytes_per_s=options.limit_bytes_per_s, write_limit_bytes_per_s=options.limit_bytes_per_s,
@@ -82,9 +85,9 @@ def _io_pass(directory: str, size_bytes: int, phases: tuple[str, ...], barrier, 
         chunk = min(chunk_bytes, size_bytes)
         buf = eng.alloc(chunk)
         buf.numpy("uint8")[:] = 0x5A
-        # A fresh name, created by this open (O_EXCL, never through a symlink) and never reopened by
-        # name: the tier directory may be writable by others.
-        f = eng.open(file_path, create=True, direct=True, exclusive=True)
+        # A fresh name, created by this open (O_EXCL, never through a symlink) relative to the
+        # directory's descriptor and never reopened by name: the tier directory may be writable by others.
+        f = eng.open(file_name, create=True, direct=True, exclusive=True, dir_fd=dir_fd)
         created = True
         result["direct"] = bool(f.direct)
         try:
@@ -114,11 +117,11 @@ def _io_pass(directory: str, size_bytes: int, phases: tuple[str, ...], barrier, 
             f.close()
     finally:
         eng.close()
-        if created:   # never a name this pass did not create (O_EXCL refused a planted one)
-            try:
-                os.unlink(file_path)
-            except FileNotFoundError:
-                pass
+        try:
+            if created:   # never a name this pass did not create (O_EXCL refused a planted one)
+                safe_path.unlink_names(dir_fd, [file_name])
+        finally:
+            os.close(dir_fd)
     return result
 
 
@@ -131,8 +134,8 @@ def remove_leftovers(directory: str, run_tag: str) -> list[str]:
     prefix = f"{CALIBRATE_PREFIX}{run_tag}-"
     removed = []
     try:
-        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+        dfd = safe_path.open_dir(directory, flag="calibration path")
+    except (OSError, ConfigError):
         return removed
     try:
         for name in os.listdir(dfd):

@@ -4,11 +4,17 @@ The tier files are scratch, never the checkpoint, but they can be large and a cr
 them behind (the reference implementation's swap files piled up across runs). Each rank's
 directory therefore says who owns it and proves, while that owner lives, that it is in use:
 
-* ``<tier>/mlp-offload-<job>-r<rank>-p<pid>-<random>/`` created by ``mkdtemp`` (mode 0700, a fresh
-  name: nothing can be planted inside it beforehand);
+* ``<tier>/mlp-offload-<job>-r<rank>-p<pid>-<random>/`` made with ``mkdirat`` (mode 0700, a fresh
+  name) in the tier directory's descriptor (resolved safely from ``/``:
+  :func:`megatron_mlp.tier.safe_path.open_dir`), and held open as a descriptor whose owner and
+  mode ``fstat`` confirms: every file, lock and unlink below is relative to that descriptor, never
+  to a path another user could have swapped (:mod:`megatron_mlp.tier.safe_path`);
 * ``owner.json`` (0600): pid, host name, job id, rank, creation time;
 * ``lock`` (0600) held with ``fcntl.flock(LOCK_EX)`` for the owner's lifetime. The kernel drops
   the lock when the process dies, however it dies (SIGKILL included).
+
+Removal unlinks only the names this process created, through its own descriptor, owner.json last,
+and removes the directory's name only while it still holds the directory that was made.
 
 A process forked by the owner closes its copy of the lock descriptor right after the fork, so it
 cannot keep a dead owner's lock; should the lock still be held when the owner's pid is gone
@@ -19,8 +25,8 @@ A directory is *provably stale* when its owner ran on this host, its pid no long
 its lock can be taken (where the file system has flock; without it, the pid alone decides). A
 free lock whose pid exists (reused, or an owner that ran without flock) is reported, not removed. A directory of another host (a shared parallel file system) cannot be
 proven stale from here -- flock is not coherent across nodes everywhere -- so it is reported,
-never removed. Files are created with ``O_CREAT|O_EXCL|O_NOFOLLOW`` so a symlink planted at the
-expected name is refused rather than followed.
+never removed. The same scan removes the files a killed ``calibrate`` left (``.mlp-calibrate-*``,
+whose names carry the pid and host of the process that made them) once that process is gone.
 
 SIGTERM: ``install_sigterm_cleanup()`` removes the registered directories when SIGTERM would
 otherwise kill the process (no handler installed). When a handler is already installed --
@@ -35,19 +41,23 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+import uuid
+
+import megatron_mlp.tier.safe_path as safe_path
+from megatron_mlp.tier.stale import (CALIBRATE_PREFIX, LOCK_FILE, OWNER_FILE, SCRATCH_PREFIX,  # noqa: F401
+                                     StaleScan, clean_stale_scratch)
 
 logger = logging.getLogger("megatron_mlp.tier.scratch")
 
-SCRATCH_PREFIX = "mlp-offload-"
-OWNER_FILE = "owner.json"
-LOCK_FILE = "lock"
+def calibrate_file_name(run_tag: str, what: str) -> str:
+    """The name of one calibration pass's file: the run's tag first (a run finds and removes what its
+    killed workers left), then the pid and host of the process that makes it (the stale scan removes
+    it once that process is gone)."""
+    return f"{CALIBRATE_PREFIX}{run_tag}-{what}-{os.getpid()}-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
 
 
 def create_private_file(path: str, mode: int = 0o600) -> int:
@@ -56,11 +66,11 @@ def create_private_file(path: str, mode: int = 0o600) -> int:
     Raises:
         OSError: EEXIST when anything -- a file or a (dangling) symlink -- is already there.
     """
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    return os.open(path, os.O_RDWR | safe_path.CREATE_FLAGS, mode)
 
 
-def reserve_space(path: str, nbytes: int) -> bool:
-    """Allocate ``nbytes`` for the file at ``path`` now (fallocate(2), size unchanged semantics aside),
+def reserve_space(target, nbytes: int) -> bool:
+    """Allocate ``nbytes`` for the file ``target`` (an open descriptor, or a path) now (fallocate(2)),
     so a device that fills up later cannot fail our writes with ENOSPC.
 
     Returns False where the file system does not support it (no emulation by writing zeros:
@@ -75,213 +85,148 @@ def reserve_space(path: str, nbytes: int) -> bool:
     if fn is None:
         return False
     fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    owned = not isinstance(target, int)
+    fd = os.open(target, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC) if owned else target
     try:
         if fn(fd, 0, 0, nbytes) == 0:
             return True
         err = ctypes.get_errno()
         if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             return False
-        raise OSError(err, f"reserving {nbytes} bytes: {os.strerror(err)}", path)
+        raise OSError(err, f"reserving {nbytes} bytes: {os.strerror(err)}", None if not owned else target)
     finally:
-        os.close(fd)
+        if owned:
+            os.close(fd)
 
 
 class ScratchDir:
-    """One rank's private scratch directory on a tier, locked for the owner's lifetime."""
+    """One rank's private scratch directory on a tier, held as a descriptor and locked for the
+    owner's lifetime. ``dir_fd`` is where every file of it is made and opened."""
 
-    def __init__(self, path: str, lock_fd: int):
-        self.path = path
+    def __init__(self, path: str, lock_fd: int, *, dir_fd: int, parent_fd: int, name: str, made):
+        self.path = path              # for messages and operators; never reopened
+        self.dir_fd = dir_fd
+        self._parent_fd = parent_fd
+        self._name = name
+        self._made = made             # fstat of the directory as made
         self._lock_fd = lock_fd
+        self._created: list[str] = []   # names this process made in it, in order
+        self._removing = 0
         self.removed = False
 
+    def create(self, name: str, flags: int = os.O_RDWR) -> int:
+        """Create the private file ``name`` (0600, O_EXCL|O_NOFOLLOW) in this directory; return its fd."""
+        fd = safe_path.create_file(self.dir_fd, name, flags)
+        self._created.append(name)
+        return fd
+
     def file(self, name: str) -> str:
-        """Create the empty private file ``name`` in this directory (0600, O_EXCL|O_NOFOLLOW)."""
-        full = os.path.join(self.path, name)
-        os.close(create_private_file(full))
-        return full
+        """Create the empty private file ``name``; returns its path (for messages: reach it with
+        :meth:`open_engine` or :meth:`create`, never by this path)."""
+        os.close(self.create(name))
+        return os.path.join(self.path, name)
+
+    def open_engine(self, engine, name: str, *, create: bool, direct: bool = True):
+        """Open ``name`` in this directory with ``engine`` (openat on our descriptor, O_NOFOLLOW);
+        with ``create`` the engine makes it (O_EXCL) and removal will unlink it."""
+        handle = engine.open(name, create=create, exclusive=create, direct=direct, dir_fd=self.dir_fd)
+        if create:
+            self._created.append(name)
+        return handle
 
     def remove(self) -> None:
-        """Delete the directory and its files, then drop the lock. Idempotent, and re-entrant:
-        a SIGTERM handler that interrupts a removal in progress (a rank ending on an error when
-        its launcher terminates it) finishes it rather than leaving a half-removed directory."""
+        """Unlink the names this process made (owner.json last), remove the directory while its name
+        still holds it, then drop the lock. Idempotent, and re-entrant: a SIGTERM handler that
+        interrupts a removal in progress finishes it rather than leaving a half-removed directory."""
         if self.removed:
             return
+        self._removing += 1
         try:
-            _remove_owner_last(self.path)
+            if self.dir_fd >= 0:
+                safe_path.unlink_names(self.dir_fd, [n for n in self._created if n not in (LOCK_FILE, OWNER_FILE)])
+                safe_path.unlink_names(self.dir_fd, [LOCK_FILE] if LOCK_FILE in self._created else [])
+                safe_path.unlink_names(self.dir_fd, [OWNER_FILE] if OWNER_FILE in self._created else [])
+                try:
+                    gone = safe_path.remove_dir_entry(self._parent_fd, self._name, self._made)
+                except OSError as e:
+                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                        raise
+                    logger.warning("%s: left in place: it holds names this process did not make (%s)", self.path,
+                                   ", ".join(sorted(os.listdir(self.dir_fd))[:5]))
+                    gone = True
+                if not gone and not self.removed:
+                    logger.warning("%s: its name no longer holds the scratch directory made there (moved or "
+                                   "replaced by someone else); its files were removed, the name is left alone",
+                                   self.path)
         finally:
+            self._removing -= 1
             self.removed = True
             _unregister(self)   # only now: until then the SIGTERM cleanup still sees this directory
-            if self._lock_fd >= 0:
-                os.close(self._lock_fd)
-                self._lock_fd = -1
+            if self._removing == 0:
+                self._close_fds()
+
+    def _close_fds(self) -> None:
+        for attr in ("_lock_fd", "dir_fd", "_parent_fd"):
+            fd = getattr(self, attr)
+            if fd >= 0:
+                setattr(self, attr, -1)
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def __repr__(self) -> str:
         return f"ScratchDir({self.path!r})"
 
 
-def create_scratch_dir(tier_path: str, tag: str, *, job_id: str = "", rank: int = 0) -> ScratchDir:
+def create_scratch_dir(tier_path: str, tag: str, *, job_id: str = "", rank: int = 0,
+                       flag: str = "--mlp-offload-paths") -> ScratchDir:
     """Make this rank's scratch dir under ``tier_path`` and take its lock.
 
     Args:
-        tier_path: the tier directory (must exist).
+        tier_path: the tier directory (must exist); resolved by :func:`safe_path.open_dir`.
         tag: part of the name, e.g. ``<job>-r<rank>-p<pid>`` (job id first, so concurrent jobs on a
             shared file system never collide and an operator sees whose files these are).
         job_id, rank: recorded in ``owner.json``.
     Raises:
+        UnsafePathError: another user controls a component of the path, or swapped the new directory.
         OSError: the directory or its files cannot be created.
     """
-    path = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{tag}-", dir=tier_path)   # 0700, fresh name
+    parent_fd = safe_path.open_dir(tier_path, flag=flag)
     try:
-        lock_fd = create_private_file(os.path.join(path, LOCK_FILE))
+        for _ in range(100):
+            name = f"{SCRATCH_PREFIX}{tag}-{uuid.uuid4().hex[:8]}"
+            try:
+                dir_fd, made = safe_path.make_private_dir(parent_fd, name, shown=os.path.join(tier_path, name))
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise FileExistsError(errno.EEXIST, "no free scratch directory name", tier_path)
+    except BaseException:
+        os.close(parent_fd)
+        raise
+    scratch = ScratchDir(os.path.join(tier_path, name), -1, dir_fd=dir_fd, parent_fd=parent_fd, name=name,
+                         made=made)
+    try:
+        scratch._lock_fd = scratch.create(LOCK_FILE)
         try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(scratch._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             # Some parallel file systems are mounted without flock (Lustre 'noflock': ENOSYS):
             # run without the lock; staleness then rests on the owner's pid (same host only).
             if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL):
                 raise
-            logger.info("%s: flock unsupported (%s); scratch liveness falls back to the owner's pid", path, e)
+            logger.info("%s: flock unsupported (%s); scratch liveness falls back to the owner's pid", scratch.path, e)
         owner = {"pid": os.getpid(), "host": socket.gethostname(), "job_id": job_id, "rank": rank,
                  "created": time.time()}
-        fd = create_private_file(os.path.join(path, OWNER_FILE))
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(scratch.create(OWNER_FILE, os.O_WRONLY), "w") as f:
             json.dump(owner, f)
     except BaseException:
-        shutil.rmtree(path, ignore_errors=True)
+        scratch.remove()
         raise
-    scratch = ScratchDir(path, lock_fd)
     _register(scratch)
     return scratch
-
-
-@dataclass
-class StaleScan:
-    """What ``clean_stale_scratch`` found under one tier path."""
-
-    removed: list = field(default_factory=list)     # (dir, why it was provably stale)
-    reported: list = field(default_factory=list)    # (dir, why it could not be proven stale)
-    removed_bytes: int = 0
-
-    def messages(self) -> list[str]:
-        out = [f"removed stale scratch {d} ({why})" for d, why in self.removed]
-        out += [f"left scratch {d} in place: {why}; remove it by hand if its job is gone" for d, why in self.reported]
-        return out
-
-
-def clean_stale_scratch(tier_path: str, *, remove: bool = True, host: str | None = None) -> StaleScan:
-    """Find scratch dirs of dead owners under ``tier_path``; remove the provably stale ones.
-
-    Dirs held by a live process (its lock is taken) are left alone silently. Nothing outside the
-    ``mlp-offload-`` prefix is touched, nor anything that is not a real directory (a symlink with
-    that prefix is reported, not followed).
-    """
-    host = host or socket.gethostname()
-    scan = StaleScan()
-    try:
-        names = os.listdir(tier_path)
-    except OSError:
-        return scan
-    for name in sorted(names):
-        if not name.startswith(SCRATCH_PREFIX):
-            continue
-        path = os.path.join(tier_path, name)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        import stat as _stat
-        if not _stat.S_ISDIR(st.st_mode):
-            scan.reported.append((path, "not a directory (a symlink or file with the scratch prefix)"))
-            continue
-        if st.st_uid != os.geteuid():
-            scan.reported.append((path, f"owned by uid {st.st_uid}, not this user"))
-            continue
-        verdict, why = _staleness(path, host)
-        if verdict == "live":
-            continue
-        if verdict == "stale" and remove:
-            size = _dir_bytes(path)
-            try:
-                shutil.rmtree(path)
-            except OSError as e:
-                scan.reported.append((path, f"stale ({why}) but could not be removed: {e}"))
-                continue
-            scan.removed.append((path, why))
-            scan.removed_bytes += size
-        else:
-            scan.reported.append((path, why))
-    for msg in scan.messages():
-        logger.warning("%s: %s", tier_path, msg)
-    return scan
-
-
-def _staleness(path: str, host: str) -> tuple[str, str]:
-    """('live' | 'stale' | 'unknown', reason)."""
-    owner = _read_owner(path)
-    if owner is None:
-        return "unknown", "no readable owner.json (an older layout or a crash while creating it)"
-    pid, owner_host = owner.get("pid"), owner.get("host")
-    if owner_host != host:
-        return "unknown", f"owned by pid {pid} on host {owner_host!r}; liveness cannot be checked from {host!r}"
-    lock_free = None    # None: no lock to test (missing file, or no flock on this file system)
-    try:
-        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        fd = -1
-    if fd >= 0:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            lock_free = True
-        except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                if isinstance(pid, int) and not _pid_alive(pid):
-                    # The owner is gone but someone holds its lock: a process it forked that
-                    # inherited the descriptor (before that fork released it), still running.
-                    return "unknown", (f"owner pid {pid} on {host} is gone but its lock is still held, likely by a "
-                                       "process it forked that still runs")
-                return "live", f"locked by its owner (pid {pid})"
-            if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL):
-                raise
-        finally:
-            os.close(fd)
-    # Both proofs where we have both: the lock is free *and* the pid is gone. A free lock with a
-    # live pid (reused, or an owner that ran without flock) is reported, never removed.
-    if isinstance(pid, int) and not _pid_alive(pid):
-        why = "no longer holds its lock and is gone" if lock_free else "is gone"
-        return "stale", f"owner pid {pid} on {host} {why}"
-    return "unknown", f"owner pid {pid} on {host} still exists" + (" (its lock is free)" if lock_free else "")
-
-
-def _read_owner(path: str) -> dict | None:
-    try:
-        fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        with os.fdopen(fd) as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else None
-    except (OSError, ValueError):
-        return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _dir_bytes(path: str) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_blocks * 512
-            except OSError:
-                pass
-    return total
 
 
 # ---------------------------------------------------------------- SIGTERM cleanup
@@ -289,31 +234,6 @@ def _dir_bytes(path: str) -> int:
 _live: dict[int, ScratchDir] = {}
 _live_lock = threading.Lock()
 _installed = False
-
-
-def _remove_owner_last(path: str) -> None:
-    """Remove a scratch directory with owner.json last: a removal cut short (the process killed
-    half-way) leaves a directory whose owner can still be proven gone by the next start, never
-    an ownerless one that only a person may remove."""
-    try:
-        entries = list(os.scandir(path))
-    except FileNotFoundError:
-        return
-    for entry in entries:
-        if entry.name == OWNER_FILE:
-            continue
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)   # fd-based on Linux: symlinks inside are unlinked, not followed
-            else:
-                os.unlink(entry.path)
-        except FileNotFoundError:
-            pass
-    for step in (lambda: os.unlink(os.path.join(path, OWNER_FILE)), lambda: os.rmdir(path)):
-        try:
-            step()
-        except FileNotFoundError:
-            pass
 
 
 def _register(s: ScratchDir) -> None:
@@ -334,12 +254,7 @@ def _release_locks_after_fork_in_child() -> None:
     global _live_lock
     _live_lock = threading.Lock()   # another thread may have held it at fork time
     for s in list(_live.values()):
-        if s._lock_fd >= 0:
-            try:
-                os.close(s._lock_fd)
-            except OSError:
-                pass
-            s._lock_fd = -1
+        s._close_fds()              # the lock and the directory descriptors
         s.removed = True            # never the child's to remove
     _live.clear()
 

@@ -64,6 +64,7 @@ import uuid
 import weakref
 
 from megatron_mlp.errors import ConfigError, MLPOffloadError
+import megatron_mlp.tier.safe_path as safe_path
 from megatron_mlp.tier.device import device_key
 
 RUNTIME_DIR_FLAG = "--mlp-offload-runtime-dir"
@@ -144,7 +145,23 @@ if hasattr(os, "register_at_fork"):
 
 
 def _open(path: str, flags: int) -> int:
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    """Open a token file: never through a symlink, never blocking (a FIFO planted at a token name
+    must not hang us), and only a regular file (``NotARegularFile`` otherwise, naming it). With
+    O_CREAT the file is made exclusively (O_EXCL) when missing, else the existing one is opened."""
+    while True:
+        if not flags & os.O_EXCL:
+            try:
+                fd = safe_path.open_regular(None, path, flags & ~os.O_CREAT)
+                break
+            except FileNotFoundError:
+                if not flags & os.O_CREAT:
+                    raise
+        try:
+            fd = os.open(path, flags | safe_path.CREATE_FLAGS | os.O_NONBLOCK, 0o600)
+            break
+        except FileExistsError:
+            if flags & os.O_EXCL:
+                raise
     _open_fds.add(fd)
     return fd
 
@@ -367,6 +384,8 @@ class TierToken:
                 fd = _open(name, os.O_RDONLY)
             except FileNotFoundError:
                 continue
+            except safe_path.NotARegularFile:
+                continue   # a FIFO or device with a ticket's name: no waiter's, never waited on
             try:
                 if _try_flock(fd, fcntl.LOCK_SH):
                     # Nobody holds it: its waiter died (or just left). Tickets are never reused while

@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 from megatron_mlp.errors import ConfigError
+import megatron_mlp.tier.safe_path as safe_path
 from megatron_mlp.tier.device import DeviceInfo, device_info
 from megatron_mlp.tier.spec import PATHS_FLAG, TierSpec
 
@@ -180,13 +181,18 @@ def validate_tier_paths(specs: tuple[TierSpec, ...] | list[TierSpec], flag: str 
                 raise ConfigError(f"{flag}: {path} does not exist (this command creates nothing; "
                                   "create the directory first)")
             try:
-                os.makedirs(path, mode=0o700, exist_ok=True)
+                # mkdirat 0700, component by component, each parent checked before anything is made in it
+                safe_path.check_dir(path, flag=flag, create=True)
                 created = True
             except OSError as e:
                 raise ConfigError(f"{flag}: {path} does not exist and cannot be created: {_err_name(e)}") from e
         check_tier_owner(path, flag)
         if not stat.S_ISDIR(os.stat(path).st_mode):
             raise ConfigError(f"{flag}: {path} is not a directory")
+        try:
+            safe_path.check_dir(path, flag=flag)   # every component from /, as the scratch dir is made
+        except OSError as e:
+            raise ConfigError(f"{flag}: {path} cannot be resolved safely: {e}") from e
         fs_type = device_info(path).fs_type
         if fs_type in _PSEUDO_FS:
             raise ConfigError(f"{flag}: {path} is on a {fs_type} file system, a kernel interface, not storage; "

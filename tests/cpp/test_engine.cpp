@@ -145,6 +145,34 @@ TEST(open_never_follows_a_symlink_and_exclusive_never_opens_an_existing_file) {
     CHECK(fresh->drop_page_cache().ok());
 }
 
+TEST(open_relative_to_a_directory_descriptor_reaches_that_directory_and_never_follows_a_symlink) {
+    ScratchDir dir;
+    Engine e(opts(backends()[0]));
+    auto victim = dir.file("victim.bin");
+    open_file(e, victim)->close();
+    const std::string dir_path = victim.substr(0, victim.rfind('/'));
+    const int dfd = ::open(dir_path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    CHECK(dfd >= 0);
+    CHECK(::symlinkat(victim.c_str(), dfd, "rel-link.bin") == 0);
+    dir.file("rel-link.bin");
+    dir.file("rel.bin");
+    OpenOptions at;
+    at.dir_fd = dfd;
+    at.exclusive = true;
+    Status st;
+    auto f = e.open("rel.bin", at, &st);  // made in the directory of `dfd`, not in the cwd
+    CHECK(st.ok() && f != nullptr);
+    CHECK(::faccessat(dfd, "rel.bin", F_OK, 0) == 0);
+    CHECK(e.open("rel-link.bin", at, &st) == nullptr);
+    CHECK_EQ(st.err, EEXIST);
+    at.exclusive = false;
+    at.create = false;
+    CHECK(e.open("rel-link.bin", at, &st) == nullptr);
+    CHECK_EQ(st.err, ELOOP);
+    f->close();
+    ::close(dfd);
+}
+
 TEST(injected_faults_fail_retry_or_shorten_the_chosen_request) {
     for (const auto& b : backends()) {
         ScratchDir dir;

@@ -2,6 +2,8 @@
 // buffered descriptor for unaligned tails and offsets (and for file systems that refuse O_DIRECT).
 #pragma once
 
+#include <fcntl.h>
+
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -13,7 +15,10 @@ namespace mlp {
 
 // Every open refuses to follow a symlink at the last component (O_NOFOLLOW): tier directories
 // may be writable by others, and a name swapped for a symlink must never redirect our writes.
+// With `dir_fd` the path is looked up relative to that directory descriptor (openat), so a file in
+// a directory the caller created and checked is never reached through the directory's path again.
 struct OpenOptions {
+    int dir_fd = AT_FDCWD;       // the directory `path` is relative to (AT_FDCWD: the cwd, or absolute)
     bool create = true;
     bool exclusive = false;      // with create: fail with EEXIST unless this open creates the file
     bool truncate = false;

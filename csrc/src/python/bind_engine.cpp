@@ -156,8 +156,9 @@ void bind_engine(py::module_& m) {
         .def(
             "open",
             [](Engine& e, const std::string& path, bool create, bool truncate, bool read_only, bool direct,
-               bool refuse_direct, bool exclusive) {
+               bool refuse_direct, bool exclusive, int dir_fd) {
                 OpenOptions o;
+                o.dir_fd = dir_fd;
                 o.create = create;
                 o.exclusive = exclusive;
                 o.truncate = truncate;
@@ -173,7 +174,7 @@ void bind_engine(py::module_& m) {
                 return py::make_tuple(f, st.err, st.message);
             },
             py::arg("path"), py::arg("create"), py::arg("truncate"), py::arg("read_only"), py::arg("direct"),
-            py::arg("refuse_direct"), py::arg("exclusive") = false)
+            py::arg("refuse_direct"), py::arg("exclusive") = false, py::arg("dir_fd") = AT_FDCWD)
         .def(
             "submit",
             [](Engine& e, bool write, const std::shared_ptr<File>& f, uintptr_t address, uint64_t length,
