@@ -33,6 +33,7 @@ from megatron_mlp.optim.store_file import SlotRecord, open_tier_file
 from megatron_mlp.optim.streamed_flush import StreamedFlush
 from megatron_mlp.optim.subgroups import Subgroup
 from megatron_mlp.tier.scratch import reserve_space
+from megatron_mlp.tier.token_wait import acquire_or_go_on, token_wait_bound_s
 logger = logging.getLogger("megatron_mlp.optim.store")
 # A failed request is retried once on the same tier (the good slot is untouched, so a retry is
 # safe); these errors are not worth a retry: the device is full or hangs.
@@ -73,6 +74,7 @@ class TierStore:
     _inode: tuple | None = None
     closed: bool = False
     trace: object = None          # a megatron_mlp.observe.trace.StepTrace: spans from the timestamps below
+    _tokens_passed: set = field(default_factory=set)   # ids of tokens gone on without until they are free again
 
     @classmethod
     def create(cls, index: int, spec, subgroups: list[Subgroup], *, engine_factory, token_factory,
@@ -207,21 +209,25 @@ class TierStore:
             return fn()
         t0 = time.perf_counter()
         waited = False
-        if not token.try_acquire():
+        if token.try_acquire():
+            self._tokens_passed.discard(id(token))
+            held = True
+        elif id(token) in self._tokens_passed:
+            held = False   # its holder did not let go within the bound before: do not wait again until it does
+        else:
             fetching = token is self.token
             if fetching:
                 self.token_busy = True   # the scheduler prefers subgroups of other tiers meanwhile
             try:
-                # Bounded like the I/O itself: a holder that never lets go (a stopped process)
-                # must not stall this rank for ever.
+                # A busy token is a throughput matter, never a failed tier: wait with a progress
+                # log up to a bound longer than the I/O timeout, then go on without it.
                 waited = True
-                if not token.acquire(timeout=self.io_timeout_s):
-                    raise TierIOError(errno.ETIMEDOUT, f"the node-level token of tier {self.path} was "
-                                      f"not free within {self.io_timeout_s} s (--mlp-offload-io-timeout); "
-                                      "another process holds it", self.file_path)
+                held = acquire_or_go_on(token, token_wait_bound_s(self.io_timeout_s), f"tier {self.path}")
             finally:
                 if fetching:
                     self.token_busy = False
+            if not held:
+                self._tokens_passed.add(id(token))
         t1 = time.perf_counter()
         self.stats.add(token_wait_s=t1 - t0)
         if waited and self.trace is not None:
@@ -229,7 +235,8 @@ class TierStore:
         try:
             return fn()
         finally:
-            token.release()
+            if held:
+                token.release()
 
     def _read(self, sg: Subgroup, buffer, pieces=None, on_piece=None):
         rec = self.records[sg.index]
