@@ -74,6 +74,7 @@ class TierStore:
     _inode: tuple | None = None
     closed: bool = False
     trace: object = None          # a megatron_mlp.observe.trace.StepTrace: spans from the timestamps below
+    stuck: bool = False           # a request timed out: the device hangs; later waits do not wait again
     _tokens_passed: set = field(default_factory=set)   # ids of tokens gone on without until they are free again
 
     @classmethod
@@ -371,9 +372,14 @@ class TierStore:
             raise error
 
     def _wait(self, req, op: str, offset: int, length: int) -> None:
+        # Once one request of this tier timed out, the device is hung (a frozen file system): the
+        # requests queued behind it fail at once instead of each waiting a timeout of its own, so
+        # every wait of a step, a failover or a close stays within one timeout plus a constant.
+        timeout = 0.0 if self.stuck and not req.done() else self.io_timeout_s
         try:
-            req.wait(self.io_timeout_s)
+            req.wait(timeout)
         except TimeoutError as e:
+            self.stuck = True
             raise TierIOError(errno.ETIMEDOUT, f"{op} on tier {self.path} not finished after "
                               f"{self.io_timeout_s} s (--mlp-offload-io-timeout)", self.file_path,
                               offset, length) from e
@@ -441,9 +447,11 @@ class TierStore:
         if self.closed:
             return
         self.closed = True
+        # Queued requests are dropped and the one running is bounded by the I/O timeout, so a hung
+        # device holds this up one timeout at most (the engines give up on stuck I/O then).
         for lane in {id(self._read_lane): self._read_lane, id(self._write_lane): self._write_lane}.values():
             if lane is not None:
-                lane.shutdown(wait=True)
+                lane.shutdown(wait=True, cancel_futures=self.stuck)
         self._read_lane = self._write_lane = None
         if self._cpu is not None:
             self._cpu.shutdown(wait=True)
@@ -452,11 +460,18 @@ class TierStore:
             for handle in {id(self.handle): self.handle, id(self.write_handle): self.write_handle}.values():
                 handle.close()
         finally:
-            self.engine.close()
+            done = self.engine.close(timeout=self.io_timeout_s)
             if self.write_engine is not self.engine:
-                self.write_engine.close()
-            if remove and self.scratch is not None:
+                done = self.write_engine.close(timeout=self.io_timeout_s) and done
+            if not done:
+                self.stuck = True
+            if remove and self.scratch is not None and not self.stuck:
                 self.scratch.remove()
+            elif remove and self.scratch is not None:
+                # Unlinking on a frozen file system would block until it thaws: leave it to the
+                # stale-scratch scan of the next run (its owner, this process, will be gone).
+                logger.warning("tier %s hangs: its scratch dir %s is left for the next run's stale-scratch scan",
+                               self.path, self.scratch_dir)
 
 
 def _crc32c(region) -> int:
