@@ -74,7 +74,8 @@ class TierStore:
     _inode: tuple | None = None
     closed: bool = False
     trace: object = None          # a megatron_mlp.observe.trace.StepTrace: spans from the timestamps below
-    stuck: bool = False           # a request timed out: the device hangs; later waits do not wait again
+    stuck: bool = False           # at close: I/O still hangs (the scratch is left to the next run)
+    _hung_request: object = None  # the request that timed out; while it runs, later waits fail at once
     _tokens_passed: set = field(default_factory=set)   # ids of tokens gone on without until they are free again
 
     @classmethod
@@ -375,11 +376,15 @@ class TierStore:
         # Once one request of this tier timed out, the device is hung (a frozen file system): the
         # requests queued behind it fail at once instead of each waiting a timeout of its own, so
         # every wait of a step, a failover or a close stays within one timeout plus a constant.
-        timeout = 0.0 if self.stuck and not req.done() else self.io_timeout_s
+        # The tier counts as hung while the request that timed out has not finished (a thaw ends it).
+        hung = self._hung_request is not None and not self._hung_request.done()
+        timeout = 0.0 if hung and not req.done() else self.io_timeout_s
         try:
             req.wait(timeout)
         except TimeoutError as e:
             self.stuck = True
+            if not hung:
+                self._hung_request = req
             raise TierIOError(errno.ETIMEDOUT, f"{op} on tier {self.path} not finished after "
                               f"{self.io_timeout_s} s (--mlp-offload-io-timeout)", self.file_path,
                               offset, length) from e
@@ -449,6 +454,7 @@ class TierStore:
         self.closed = True
         # Queued requests are dropped and the one running is bounded by the I/O timeout, so a hung
         # device holds this up one timeout at most (the engines give up on stuck I/O then).
+        self.stuck = self._hung_request is not None and not self._hung_request.done()   # hung still?
         for lane in {id(self._read_lane): self._read_lane, id(self._write_lane): self._write_lane}.values():
             if lane is not None:
                 lane.shutdown(wait=True, cancel_futures=self.stuck)
