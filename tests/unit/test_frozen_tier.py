@@ -135,3 +135,56 @@ def test_a_signal_ends_a_process_waiting_on_a_frozen_tier(disk_dir, sig, io_time
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+@pytest.fixture
+def loop_ext4():
+    """A 64 MiB ext4 loop-mounted for this test (root only; skipped with the reason otherwise)."""
+    if os.geteuid() != 0:
+        pytest.skip("a loop-mounted ext4 and fsfreeze need root")
+    if not (shutil.which("mkfs.ext4") and shutil.which("fsfreeze")):
+        pytest.skip("mkfs.ext4 or fsfreeze is not installed")
+    work = tempfile.mkdtemp(prefix="mlp-freeze-", dir="/var/tmp")
+    image, mnt = os.path.join(work, "fs.img"), os.path.join(work, "mnt")
+    os.mkdir(mnt)
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", image], capture_output=True, text=True)
+    mounted = made.returncode == 0 and subprocess.run(["mount", "-o", "loop", image, mnt],
+                                                      capture_output=True, text=True).returncode == 0
+    if not mounted:
+        shutil.rmtree(work, ignore_errors=True)
+        pytest.skip(f"cannot loop-mount an ext4 here: {made.stderr.strip() or 'mount -o loop failed'}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["fsfreeze", "-u", mnt], capture_output=True)
+        subprocess.run(["umount", "-l", mnt], capture_output=True)   # lazily: abandoned descriptors may linger
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_a_real_fsfreeze_of_the_only_tier_fails_the_step_within_the_timeout_and_close_returns(loop_ext4):
+    import threading
+    from megatron_mlp.errors import TierIOError as Failure
+    timeout = 2.0
+    config = MLPOffloadConfig.from_paths(loop_ext4, subgroup_params=SUB, calibration="off", use_tokens=False,
+                                         io_timeout_s=timeout, host_cache_bytes=0, warm_buffers=False)
+    init = torch.randn(N, generator=torch.Generator().manual_seed(3))
+    opt = OffloadAdam(config, RANGES, [dict(g) for g in GROUPS], init)
+    opt.step(_grads(0))
+    subprocess.run(["fsfreeze", "-f", loop_ext4], check=True)
+    thaw = threading.Timer(120, lambda: subprocess.run(["fsfreeze", "-u", loop_ext4]))   # never stay frozen
+    thaw.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(Failure):    # writes hang: TierFailure (no tier left), or a read's ETIMEDOUT
+            opt.step(_grads(1))
+        took = time.monotonic() - t0
+        assert took < 3 * timeout + 5, f"the step took {took:.1f} s on a frozen tier with a {timeout} s timeout"
+        t0 = time.monotonic()
+        opt.close()
+        took = time.monotonic() - t0
+        assert took < 3 * timeout + 5, f"close() took {took:.1f} s on a frozen tier"
+    finally:
+        subprocess.run(["fsfreeze", "-u", loop_ext4], capture_output=True)
+        thaw.cancel()
