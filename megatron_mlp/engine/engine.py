@@ -21,6 +21,24 @@ from megatron_mlp.engine.defaults import DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEU
 logger = logging.getLogger("megatron_mlp.engine")
 
 _BACKENDS = ("auto", "io_uring", "threads")
+# Every wait in C++ (GIL released) lasts at most this long before Python runs again: a signal
+# handler (SIGINT, SIGTERM) runs within this time during any wait, however long the wait.
+WAIT_SLICE_S = 0.1
+# Engines whose close gave up on stuck I/O, with the memory their requests still use: never freed
+# (a request the kernel finishes later must not write into memory handed out again).
+_abandoned: list = []
+
+
+def _sliced_wait(wait, timeout: float | None) -> bool:
+    """``wait(seconds) -> done`` called in slices of WAIT_SLICE_S until done or ``timeout`` passed."""
+    import time
+    deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
+    while True:
+        left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
+        if wait(max(0.0, left)):
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
 _OPS = {"any": -1, "read": 0, "write": 1}
 _AT_FDCWD = -100   # openat(2): a path relative to the cwd (or absolute)
 
@@ -171,7 +189,7 @@ class IORequest:
             TimeoutError: not finished after ``timeout`` seconds (the request keeps running).
             TierIOError: the transfer failed: errno, path, offset and length of the request.
         """
-        if not self._req.wait(-1.0 if timeout is None else float(timeout)):
+        if not _sliced_wait(self._req.wait, timeout):
             raise TimeoutError(f"{'write' if self.is_write else 'read'} of {self.length} bytes at offset "
                                f"{self.offset} of {self.path} not finished after {timeout} s")
         self._keep = None
@@ -358,17 +376,37 @@ class Engine:
             TimeoutError: requests still running after ``timeout`` seconds.
             TierIOError: the first failed request nobody has waited on yet.
         """
-        if not self._eng.wait_all(-1.0 if timeout is None else float(timeout)):
+        if not _sliced_wait(self._eng.wait_all, timeout):
             raise TimeoutError(f"engine I/O not finished after {timeout} s")
         tracked, self._tracked = self._tracked, []
         for r in tracked:
             if not r._observed:
                 r.wait()
 
-    def close(self) -> None:
-        """Let queued and in-flight I/O finish, then stop the engine's threads. Idempotent."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Let queued and in-flight I/O finish, then stop the engine's threads. Idempotent.
+
+        ``timeout``: give up on I/O still stuck after that many seconds (a frozen or hung file
+        system): the engine is then abandoned -- logged, its threads, descriptors and the memory
+        its requests use left to the kernel and the process's end -- and False is returned.
+        """
+        if any(e is self._eng for e in _abandoned):
+            return False
+        if timeout is not None and not _sliced_wait(self._eng.wait_all, timeout):
+            stuck = [r for r in self._tracked if not r.done()]
+            logger.warning("engine close: %d request(s) still not finished after %s s (a hung or frozen file "
+                           "system?); leaving them, their descriptors and threads to the kernel", len(stuck), timeout)
+            import ctypes
+            for keep in (self._eng, self._tracked):
+                _abandoned.append(keep)
+                # One reference no interpreter shutdown drops: the C++ engine's destructor would
+                # wait for the stuck I/O and so hold up the process's exit.
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(keep))
+            self._tracked = []
+            return False
         self._eng.close()
         self._tracked = []
+        return True
 
     def __enter__(self) -> "Engine":
         return self
@@ -379,7 +417,7 @@ class Engine:
     def __del__(self):
         # Finish in-flight I/O before the buffers held in _tracked can be released.
         eng = getattr(self, "_eng", None)
-        if eng is not None:
+        if eng is not None and not any(e is eng for e in _abandoned):
             eng.close()
 
     # ---- tests and statistics -----------------------------------------------------------------

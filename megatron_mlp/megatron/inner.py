@@ -18,6 +18,7 @@ from megatron_mlp.errors import TierFailure
 from megatron_mlp.observe.metrics import IntervalMetrics
 from megatron_mlp.observe.ranges import phase
 from megatron_mlp.optim.protocol import OffloadOptimizer
+from megatron_mlp.optim.transaction import check_step_count
 
 logger = logging.getLogger(__name__)
 
@@ -226,9 +227,10 @@ class OffloadInner:
             for k, v in loaded.items():
                 if k not in ("params", "step"):
                     g[k] = v
-        steps = {int(g["step"]) for g in state_dict["param_groups"] if g.get("step") is not None}
-        steps |= {int(s["step"]) for s in state_dict.get("state", {}).values()
-                  if isinstance(s, dict) and "step" in s}
+        steps = {check_step_count(f"optimizer checkpoint: param_groups[{i}]['step']", g["step"])
+                 for i, g in enumerate(state_dict["param_groups"]) if g.get("step") is not None}
+        steps |= {check_step_count(f"optimizer checkpoint: state[{k!r}]['step']", s["step"])
+                  for k, s in state_dict.get("state", {}).items() if isinstance(s, dict) and "step" in s}
         if len(steps) > 1:
             raise ValueError(f"optimizer checkpoint holds different steps per group: {sorted(steps)}")
         if steps:

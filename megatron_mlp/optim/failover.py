@@ -8,7 +8,8 @@ vanished from its path. Every subgroup on it is then re-placed, one at a time:
    the host cache too), else read back from the failed tier's good slot -- still possible after
    ENOSPC, and after the file was deleted (the open descriptor reaches the data);
 2. it gets two new slots at the end of the first healthy tier with room for them (config order:
-   fastest first) and is written there (same write discipline: the record switches only after
+   fastest first; a configured tier that held nothing so far counts, its scratch is made then)
+   and is written there (same write discipline: the record switches only after
    the write is complete); a tier that fails this write is taken out of service in turn;
 3. with no healthy tier left, it stays in host memory if the host-cache budget has room for it
    (it then takes a cache slot for good);
@@ -146,10 +147,9 @@ def _newest_copy(residency, store, sg):
 
 
 def _place(tiers, sg, buf, queue):
-    """Write sg's state to the first healthy tier with room; the store, or None."""
-    for target in tiers.stores:
-        if target.failed or any(s is target for s, _ in queue):
-            continue
+    """Write sg's state to the first healthy tier with room, a configured one holding nothing
+    included; the store, or None."""
+    for target in tiers.failover_targets(2 * sg.region_bytes, exclude=[s for s, _ in queue]):
         if target.free_bytes() < 2 * sg.region_bytes:
             continue
         try:

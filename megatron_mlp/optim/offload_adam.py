@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from megatron_mlp.errors import ConfigError, PartialStepError, TierFailure
+from megatron_mlp.errors import ConfigError, TierFailure
 from megatron_mlp.optim.failover import FailoverStats, take_out_of_service
-from megatron_mlp.optim.kernel_call import AdamKernel, StepInputs, hyper_params
+from megatron_mlp.optim.kernel_call import AdamKernel, StepInputs
 from megatron_mlp.optim.placement import assign_subgroups, host_memory_for, placement_tiers, warm_subgroups
 from megatron_mlp.optim.residency import Residency
 from megatron_mlp.optim.schedule import iteration_order
@@ -34,6 +34,8 @@ from megatron_mlp.optim.state_access import LazyStateChunk, StateAccess, chunk_s
 from megatron_mlp.optim.stats import StepStats, TierStepStats
 from megatron_mlp.optim.step_pipeline import StepPipeline
 from megatron_mlp.optim.subgroups import SubgroupPlan, piece_params_for
+from megatron_mlp.optim.transaction import (check_chunk, check_scale, check_state_dict, check_step_count,
+                                            checked_hyper, partial_error)
 from megatron_mlp.optim.tier_stores import (TierStores, check_tiers_and_sizes, clean_stale_scratch,
                                             default_engine_factory, default_token_factory)
 from megatron_mlp.tier.free_space import node_snapshot
@@ -97,7 +99,8 @@ class OffloadAdam:
         self.placement_tiers = placement_tiers(config, ranks_per_node, rooms=rooms)   # bandwidths, for the schedule
         self.failover = FailoverStats()
         self._halted: TierFailure | None = None
-        self._partial_step: str | None = None   # why the last step stopped part-way, until a restore
+        self._partial_step: str | None = None   # why the state is partial (a step or load stopped), until a load
+        self._restored: list[tuple[int, int]] = []   # whole ranges written since it became partial
         from megatron_mlp.tier.scratch import install_sigterm_cleanup
         install_sigterm_cleanup()   # SIGTERM with no handler of its own removes the scratch; chains otherwise
         self.tiers = TierStores(config, self.plan, tier_of, rank=rank,
@@ -203,19 +206,25 @@ class OffloadAdam:
                 failover that succeeds only warns and shows in ``last_step_stats["failover"]``.
             IntegrityError: a region read back does not match its checksum.
             PartialStepError: an earlier step stopped part-way (any of the errors above but a
-                TierFailure, or an interrupt) and no ``load_state_dict`` has restored the state since.
+                TierFailure, or an interrupt) or a load was refused, and no ``load_state_dict`` has
+                restored the state since.
+            TypeError, ValueError: a hyper-parameter or counter is not a usable number (names the
+                field, e.g. ``param_groups[0]['lr']``); nothing has changed, fix it and step again.
+
+        A step is a transaction: every input is checked before anything changes, and the step
+        counters move only once every subgroup is updated. An exception or interrupt before the
+        pipeline starts leaves everything as it was; one after leaves the optimizer partial.
         """
         self._check_open()
         if self._halted is not None:
             raise self._halted
-        if self._partial_step is not None:
-            raise PartialStepError(
-                f"OffloadAdam: a step stopped part-way ({self._partial_step}); some subgroups were updated and "
-                "others not, so stepping again would apply that step twice to some. Restore the state from the "
-                "last checkpoint (load_state_dict, or restart from it with Megatron's --load) before the next step")
+        self._check_whole()
         _check_flat("grads", grads, self.numel)
         if params_out is not None:
             _check_flat("params_out", params_out, self.numel)
+        inv_loss_scale, clip_coef = check_scale(inv_loss_scale, clip_coef)
+        steps = [check_step_count(f"state[{g}]['step']", self.state[g]["step"]) + 1 for g in sorted(self.state)]
+        hyper = checked_hyper(self.param_groups, steps)   # before anything changes (an LR scheduler's None)
         t_step = time.perf_counter()
         # One entry per configured path, in --mlp-offload-paths order (zeros for a path holding none).
         store_of = self.tiers.store_of
@@ -226,25 +235,27 @@ class OffloadAdam:
             stats.skipped = True
             self.last_step_stats = stats.as_dict()
             return
-        for g in self.state:
-            self.state[g]["step"] += 1
         order = self.next_order()
         stats.order = "ascending" if len(order) < 2 or order[0] < order[-1] else "descending"
-        self._iteration += 1
-        keep, carried = self.residency.plan_step(order)
-        hyper = [hyper_params(group, self.state[g]["step"]) for g, group in enumerate(self.param_groups)]
         inputs = StepInputs(grads, params_out, hyper, inv_loss_scale, clip_coef, on_subgroup_done, grads_ready,
                             self.trace)
-        step_no = hyper[0]["step"] if hyper else self._iteration
+        step_no = hyper[0]["step"] if hyper else self._iteration + 1
         if self.trace is not None:
             self.trace.begin_step(step_no)
         from megatron_mlp.observe.ranges import phase
         try:
+            keep, carried = self.residency.plan_step(order)
             with phase("update"):
                 failed_flushes = StepPipeline(self, order, keep, carried, inputs, stats).run()
+            # Committed: every subgroup is updated (a failed write-back keeps its new state in host
+            # memory). Only now do the counters move, so a step that stopped is never retried with
+            # the next step's bias correction.
+            for g, n in zip(sorted(self.state), steps):
+                self.state[g]["step"] = n
+            self._iteration += 1
         except BaseException as e:
             # Whatever stopped it (IntegrityError, a failed read, Ctrl-C), the step is partly applied.
-            self._partial_step = f"step {self.state[0]['step'] if self.state else '?'}: {type(e).__name__}: {e}"
+            self._mark_partial(f"step {step_no} stopped part-way by {type(e).__name__}: {e}")
             raise
         finally:
             if self.trace is not None:
@@ -273,8 +284,12 @@ class OffloadAdam:
 
         Streams subgroup by subgroup through one pool buffer (cached subgroups are copied from
         host memory); only the returned tensors hold the range.
+
+        Raises:
+            PartialStepError: the state is partial (see ``step``): a mixed state is never handed out.
         """
         self._check_open()
+        self._check_whole()
         return self.access.read_range(start, end)
 
     def write_range(self, start: int, end: int, param: torch.Tensor | None = None,
@@ -283,9 +298,15 @@ class OffloadAdam:
 
         A subgroup only partly covered (or with some arrays not given) is read, modified and
         written back; every write goes to the free slot (the old copy stays good until it is done).
+        A partial optimizer (see ``step``) is whole again once ranges given with all three arrays
+        have covered the shard: a checkpoint restored through this seam (Megatron's load).
         """
         self._check_open()
         self.access.write_range(start, end, {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
+        if self._partial_step is not None and all(t is not None for t in (param, exp_avg, exp_avg_sq)):
+            self._restored = _merge(self._restored, (int(start), int(end)))
+            if self._restored == [(0, self.numel)]:
+                self._partial_step, self._restored = None, []
 
     def state_dict(self, chunk_params: int | None = None) -> dict:
         """A layout-independent state: hyper-parameters, steps, and the state in flat chunks.
@@ -297,8 +318,13 @@ class OffloadAdam:
         optimizer *when it is materialized*, so materialize (or save) before the next ``step``;
         ``torch.save`` of the whole dict materializes every chunk at once (it keeps all storages
         until the end), which is the caller's explicit choice.
+
+        Raises:
+            PartialStepError: the state is partial (a step stopped part-way, a load was refused):
+                such a state never reaches a checkpoint, so it can never be loaded back as whole.
         """
         self._check_open()
+        self._check_whole()
         size = chunk_params or self.config.subgroup_params
         chunks = [LazyStateChunk(self, a, min(a + size, self.numel)) for a in range(0, self.numel, size)]
         return {
@@ -316,38 +342,36 @@ class OffloadAdam:
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a ``state_dict`` from any OffloadAdam layout (subgroup size, tiers, placement).
 
+        Every field is checked (types, lengths, ranges, dtypes, shapes); the error names the field.
+
         Raises:
-            ValueError: the shard (numel, group ranges) differs or the format is unknown.
+            ValueError, TypeError: a field is refused (named in the message). A refused or
+                interrupted load leaves the optimizer partial: ``step``, ``state_dict`` and
+                ``read_range`` refuse until a load succeeds.
         """
         self._check_open()
-        if state_dict.get("format") != STATE_DICT_FORMAT:
-            raise ValueError(f"load_state_dict: unknown format {state_dict.get('format')!r}, "
-                             f"expected {STATE_DICT_FORMAT!r}")
-        ranges = [tuple(r) for r in state_dict["group_ranges"]]
-        if state_dict["numel"] != self.numel or ranges != list(self.plan.group_ranges):
-            raise ValueError(f"load_state_dict: saved shard has {state_dict['numel']} elements in groups "
-                             f"{ranges}, this optimizer has {self.numel} in {list(self.plan.group_ranges)}")
-        covered, writing = 0, False
+        covered = 0
         try:
-            for chunk in sorted(state_dict["state"], key=chunk_start):
+            groups, steps, iteration, chunks = check_state_dict(state_dict, self.numel, self.plan.group_ranges,
+                                                                STATE_DICT_FORMAT)
+            for k, chunk in enumerate(sorted(chunks, key=_chunk_start)):
                 data = chunk.materialize() if isinstance(chunk, LazyStateChunk) else chunk
-                if data["start"] != covered:
-                    raise ValueError(f"load_state_dict: state chunks leave a gap at element {covered}")
-                writing = True
-                self.write_range(data["start"], data["end"], data["param"], data["exp_avg"], data["exp_avg_sq"])
-                covered = data["end"]
+                start, end = check_chunk(data, k, covered, self.numel)
+                self.access.write_range(start, end, {name: data[name] for name in ("param", "exp_avg", "exp_avg_sq")})
+                covered = end
             if covered != self.numel:
-                raise ValueError(f"load_state_dict: state chunks cover [0, {covered}) of [0, {self.numel})")
+                raise ValueError(f"load_state_dict: 'state' covers [0, {covered}) of [0, {self.numel})")
         except BaseException as e:
-            if writing:   # part of the state is the new one, part the old: no step until a load succeeds
-                self._partial_step = f"load_state_dict stopped at element {covered}: {type(e).__name__}: {e}"
+            # The state may be part new, part old, or the caller meant to replace it and could not:
+            # no step and no save until a load succeeds.
+            self._mark_partial(f"load_state_dict refused at element {covered}: {type(e).__name__}: {e}")
             raise
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+        for group, saved in zip(self.param_groups, groups):
             group.update(copy.deepcopy({k: v for k, v in saved.items() if k != "params"}))
-        for g, step in enumerate(state_dict["steps"]):
-            self.state[g]["step"] = int(step)
-        self._iteration = int(state_dict.get("iteration", 0))
-        self._partial_step = None   # every element was just overwritten: the state is whole again
+        for g, step in zip(sorted(self.state), steps):
+            self.state[g]["step"] = step
+        self._iteration = iteration
+        self._partial_step, self._restored = None, []   # every element was just overwritten: whole again
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients belong to the caller's flat buffer; nothing to do (torch optimizer protocol)."""
@@ -376,11 +400,28 @@ class OffloadAdam:
         if self._closed:
             raise RuntimeError("OffloadAdam is closed")
 
+    def _check_whole(self) -> None:
+        if self._partial_step is not None:
+            raise partial_error(self._partial_step)
+
+    def _mark_partial(self, why: str) -> None:
+        self._partial_step, self._restored = why, []
+
+    @property
+    def partial(self) -> str | None:
+        """Why the state is partial (a step or a load stopped part-way), or None while it is whole."""
+        return self._partial_step
+
     def set_completed_steps(self, steps: int) -> None:
         """Steps already taken, for Adam's bias correction (``optim.protocol.OffloadOptimizer``): the
-        Megatron layer restores them after a checkpoint load, whose tensors come through write_range."""
+        Megatron layer restores them after a checkpoint load, whose tensors come through write_range.
+
+        Raises:
+            TypeError, ValueError: ``steps`` is not a whole number >= 0 (nothing changes).
+        """
+        n = check_step_count("set_completed_steps: steps", steps)
         for group_state in self.state.values():
-            group_state["step"] = int(steps)
+            group_state["step"] = n
 
 
 def _check_flat(name: str, t, numel: int) -> None:
@@ -390,6 +431,24 @@ def _check_flat(name: str, t, numel: int) -> None:
             or t.numel() != numel or not t.is_contiguous():
         desc = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"{name}: expected a contiguous CPU bf16/fp16/fp32 tensor of {numel} elements, got {desc}")
+
+
+def _merge(ranges: list[tuple[int, int]], new: tuple[int, int]) -> list[tuple[int, int]]:
+    """``ranges`` (sorted, disjoint) with ``new`` added, touching and overlapping ranges joined."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted([*ranges, new]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _chunk_start(chunk):
+    try:
+        return chunk_start(chunk)
+    except (KeyError, TypeError, ValueError):
+        return -1   # a malformed chunk sorts first and is refused, named, by check_chunk
 
 
 def _with_defaults(param_groups: list, num_ranges: int) -> list:

@@ -33,6 +33,7 @@ from megatron_mlp.optim.store_file import SlotRecord, open_tier_file
 from megatron_mlp.optim.streamed_flush import StreamedFlush
 from megatron_mlp.optim.subgroups import Subgroup
 from megatron_mlp.tier.scratch import reserve_space
+from megatron_mlp.tier.token_wait import acquire_or_go_on, token_wait_bound_s
 logger = logging.getLogger("megatron_mlp.optim.store")
 # A failed request is retried once on the same tier (the good slot is untouched, so a retry is
 # safe); these errors are not worth a retry: the device is full or hangs.
@@ -74,6 +75,9 @@ class TierStore:
     closed: bool = False
     trace: object = None          # a megatron_mlp.observe.trace.StepTrace: spans from the timestamps below
     state_fd: int = -1            # our descriptor of the scratch file (reservations; never reopened by path)
+    stuck: bool = False           # at close: I/O still hangs (the scratch is left to the next run)
+    _hung_request: object = None  # the request that timed out; while it runs, later waits fail at once
+    _tokens_passed: set = field(default_factory=set)   # ids of tokens gone on without until they are free again
 
     @classmethod
     def create(cls, index: int, spec, subgroups: list[Subgroup], *, engine_factory, token_factory,
@@ -212,21 +216,25 @@ class TierStore:
             return fn()
         t0 = time.perf_counter()
         waited = False
-        if not token.try_acquire():
+        if token.try_acquire():
+            self._tokens_passed.discard(id(token))
+            held = True
+        elif id(token) in self._tokens_passed:
+            held = False   # its holder did not let go within the bound before: do not wait again until it does
+        else:
             fetching = token is self.token
             if fetching:
                 self.token_busy = True   # the scheduler prefers subgroups of other tiers meanwhile
             try:
-                # Bounded like the I/O itself: a holder that never lets go (a stopped process)
-                # must not stall this rank for ever.
+                # A busy token is a throughput matter, never a failed tier: wait with a progress
+                # log up to a bound longer than the I/O timeout, then go on without it.
                 waited = True
-                if not token.acquire(timeout=self.io_timeout_s):
-                    raise TierIOError(errno.ETIMEDOUT, f"the node-level token of tier {self.path} was "
-                                      f"not free within {self.io_timeout_s} s (--mlp-offload-io-timeout); "
-                                      "another process holds it", self.file_path)
+                held = acquire_or_go_on(token, token_wait_bound_s(self.io_timeout_s), f"tier {self.path}")
             finally:
                 if fetching:
                     self.token_busy = False
+            if not held:
+                self._tokens_passed.add(id(token))
         t1 = time.perf_counter()
         self.stats.add(token_wait_s=t1 - t0)
         if waited and self.trace is not None:
@@ -234,7 +242,8 @@ class TierStore:
         try:
             return fn()
         finally:
-            token.release()
+            if held:
+                token.release()
 
     def _read(self, sg: Subgroup, buffer, pieces=None, on_piece=None):
         rec = self.records[sg.index]
@@ -369,9 +378,18 @@ class TierStore:
             raise error
 
     def _wait(self, req, op: str, offset: int, length: int) -> None:
+        # Once one request of this tier timed out, the device is hung (a frozen file system): the
+        # requests queued behind it fail at once instead of each waiting a timeout of its own, so
+        # every wait of a step, a failover or a close stays within one timeout plus a constant.
+        # The tier counts as hung while the request that timed out has not finished (a thaw ends it).
+        hung = self._hung_request is not None and not self._hung_request.done()
+        timeout = 0.0 if hung and not req.done() else self.io_timeout_s
         try:
-            req.wait(self.io_timeout_s)
+            req.wait(timeout)
         except TimeoutError as e:
+            self.stuck = True
+            if not hung:
+                self._hung_request = req
             raise TierIOError(errno.ETIMEDOUT, f"{op} on tier {self.path} not finished after "
                               f"{self.io_timeout_s} s (--mlp-offload-io-timeout)", self.file_path,
                               offset, length) from e
@@ -439,9 +457,12 @@ class TierStore:
         if self.closed:
             return
         self.closed = True
+        # Queued requests are dropped and the one running is bounded by the I/O timeout, so a hung
+        # device holds this up one timeout at most (the engines give up on stuck I/O then).
+        self.stuck = self._hung_request is not None and not self._hung_request.done()   # hung still?
         for lane in {id(self._read_lane): self._read_lane, id(self._write_lane): self._write_lane}.values():
             if lane is not None:
-                lane.shutdown(wait=True)
+                lane.shutdown(wait=True, cancel_futures=self.stuck)
         self._read_lane = self._write_lane = None
         if self._cpu is not None:
             self._cpu.shutdown(wait=True)
@@ -450,14 +471,23 @@ class TierStore:
             for handle in {id(self.handle): self.handle, id(self.write_handle): self.write_handle}.values():
                 handle.close()
         finally:
-            self.engine.close()
+            done = self.engine.close(timeout=self.io_timeout_s)
             if self.write_engine is not self.engine:
-                self.write_engine.close()
-            if self.state_fd >= 0:
+                done = self.write_engine.close(timeout=self.io_timeout_s) and done
+            if not done:
+                self.stuck = True
+            # A stuck request may still write through this descriptor: closing it would let the
+            # number be reused for another file under that write, so it stays open with the process.
+            if self.state_fd >= 0 and not self.stuck:
                 os.close(self.state_fd)
                 self.state_fd = -1
-            if remove and self.scratch is not None:
+            if remove and self.scratch is not None and not self.stuck:
                 self.scratch.remove()
+            elif remove and self.scratch is not None:
+                # Unlinking on a frozen file system would block until it thaws: leave it to the
+                # stale-scratch scan of the next run (its owner, this process, will be gone).
+                logger.warning("tier %s hangs: its scratch dir %s is left for the next run's stale-scratch scan",
+                               self.path, self.scratch_dir)
 
 
 def _close_tier_file(f) -> None:

@@ -8,6 +8,7 @@ import os
 import threading
 import weakref
 
+from megatron_mlp.errors import MLPOffloadError
 from megatron_mlp.optim.store import TierStore
 
 logger = logging.getLogger("megatron_mlp.optim.offload_adam")
@@ -25,16 +26,21 @@ class TierStores:
         self.stores: list[TierStore] = []
         self.retiring: list[threading.Thread] = []   # threads closing failed tiers
         self._finalizer = weakref.finalize(self, close_stores, self.stores)
+        self._config, self._unusable = config, {}   # configured tiers holding nothing: failover targets
         job = config.job_id
+
+        def create(t, spec, mine):
+            return TierStore.create(t, spec, mine, engine_factory=engine_factory, token_factory=token_factory,
+                                    checksum=config.checksum, job_tag=f"{job}-r{rank}-p{os.getpid()}",
+                                    io_timeout_s=config.io_timeout_s, job_id=job, rank=rank)
+
+        self._create = create
         try:
             for t, spec in enumerate(config.tiers):
                 mine = [sg for sg in plan if tier_of[sg.index] == t]
                 if not mine:
                     continue
-                self.stores.append(TierStore.create(
-                    t, spec, mine, engine_factory=engine_factory, token_factory=token_factory,
-                    checksum=config.checksum, job_tag=f"{job}-r{rank}-p{os.getpid()}",
-                    io_timeout_s=config.io_timeout_s, job_id=job, rank=rank))
+                self.stores.append(create(t, spec, mine))
         except BaseException:
             self._finalizer()   # nothing half-configured: the tiers already set up are removed now
             raise
@@ -47,6 +53,33 @@ class TierStores:
     def move(self, index: int, store: TierStore) -> None:
         """Subgroup ``index`` lives on ``store`` from now on (failover)."""
         self.tier_of[index] = store.index
+
+    def failover_targets(self, nbytes: int, exclude=()):
+        """The healthy tiers that may take ``nbytes`` more, in ``--mlp-offload-paths`` order (fastest
+        first): those holding subgroups, and the configured ones that hold nothing yet -- opened
+        (scratch dir and file) the first time a failover needs them."""
+        for t, spec in enumerate(self._config.tiers):
+            store = self.store_of.get(t)
+            if store is None:
+                if t in self._unusable or _free_bytes(spec) < nbytes:
+                    continue
+                try:
+                    store = self._open_idle(t, spec)
+                except (OSError, MLPOffloadError) as e:
+                    self._unusable[t] = str(e)
+                    logger.warning("MLP-Offload failover: idle tier %s cannot be opened: %s", spec.path, e)
+                    continue
+            if store.failed or any(store is s for s in exclude):
+                continue
+            yield store
+
+    def _open_idle(self, t: int, spec) -> TierStore:
+        store = self._create(t, spec, [])
+        store.trace = next((s.trace for s in self.stores), None)
+        self.stores.insert(sum(1 for s in self.stores if s.index < t), store)   # config order; closed with the rest
+        self.store_of[t] = store
+        logger.warning("MLP-Offload failover: opened idle tier %s to take subgroups of a failed one", spec.path)
+        return store
 
     def holds_any(self, store: TierStore) -> bool:
         return any(t == store.index for t in self.tier_of)
@@ -81,6 +114,15 @@ class TierStores:
         for t in self.retiring:
             t.join(timeout_s)
         self._finalizer()
+
+
+def _free_bytes(spec) -> int:
+    try:
+        vfs = os.statvfs(spec.path)
+    except OSError:
+        return 0
+    free = vfs.f_bavail * vfs.f_frsize
+    return free if spec.capacity_bytes is None else min(free, spec.capacity_bytes)
 
 
 def close_stores(stores) -> None:

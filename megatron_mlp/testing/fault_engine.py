@@ -77,10 +77,10 @@ class HangingEngine:
         self._hung.append(req)
         return req
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:
         for req in self._hung:
             req.release()
-        self._engine.close()
+        return self._engine.close(timeout)
 
     def __getattr__(self, name):
         return getattr(self._engine, name)

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from megatron_mlp.errors import TierFailure, TierIOError
+from megatron_mlp.errors import TierFailure
 
 pytest.importorskip("megatron_mlp._C", reason="the C++ core is not built")
 
@@ -51,7 +51,8 @@ def test_tier_failure_is_raised_when_megatrons_exit_signal_handler_is_off(optimi
         optimizer_class._on_tier_failure(optimizer, _failure())
 
 
-def test_a_token_never_released_by_another_process_fails_the_request_with_etimedout(tmp_path, disk_dir):
+def test_a_token_never_released_by_another_holder_is_gone_on_without_and_the_step_completes(tmp_path, disk_dir):
+    """A busy token is no failed tier: past twice the I/O timeout the step goes on without it."""
     from megatron_mlp.config import MLPOffloadConfig
     from megatron_mlp.optim.offload_adam import OffloadAdam
     from megatron_mlp.tier import TierToken
@@ -62,8 +63,8 @@ def test_a_token_never_released_by_another_process_fails_the_request_with_etimed
         holder = TierToken(disk_dir, runtime_dir=runtime)    # e.g. a stopped process of the node
         assert holder.acquire(timeout=5)
         try:
-            with pytest.raises(TierIOError) as info:
-                opt.step(torch.zeros(3000, dtype=torch.bfloat16))
-            assert info.value.errno == errno.ETIMEDOUT and "token" in str(info.value)
+            opt.step(torch.zeros(3000, dtype=torch.bfloat16))
+            assert opt.last_step_stats["failover"]["failed_tiers"] == []
+            assert opt.state[0]["step"] == 1
         finally:
             holder.release()

@@ -302,3 +302,22 @@ def test_a_second_failover_adds_to_the_first_and_its_error_names_every_failed_ti
         assert [t["path"] for t in both["failed_tiers"]] == two_tiers
         assert both["subgroups_moved"] == first["subgroups_moved"] and both["subgroups_in_host"] == len(opt.plan)
         assert_same(opt, ref)
+
+
+def test_subgroups_fail_over_to_a_configured_tier_that_held_nothing(two_tiers):
+    """Two paths, the second so slow that the placement puts every subgroup on the first: when the
+    first's scratch vanishes, the idle second path takes the state (its scratch is made then)."""
+    paths = [two_tiers[0], two_tiers[1] + ":bw=1MB/s"]
+    opt, ref, _ = build(paths)
+    with opt:
+        assert set(opt.tier_of) == {0} and 1 not in opt.tiers.store_of, "the test needs an idle second tier"
+        steps(opt, ref, 0, 2)
+        shutil.rmtree(opt.stores[0].scratch_dir)
+        steps(opt, ref, 2, 4)
+        fo = opt.last_step_stats["failover"]
+        assert fo["failed_tiers"][0]["path"] == two_tiers[0]
+        assert fo["subgroups_moved"] + fo["subgroups_in_host"] == N // SUB and fo["subgroups_moved"] > 0
+        assert set(opt.tier_of) == {1}
+        assert opt.last_step_stats["tiers"][1]["bytes_written"] > 0
+        assert_same(opt, ref)
+    assert not [d for d in os.listdir(two_tiers[1]) if d.startswith("mlp-offload-")], "the idle tier's scratch stayed"
