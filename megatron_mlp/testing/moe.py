@@ -30,6 +30,7 @@ class TinyMoE(TinyGPT):
     virtual_stages: int = 1          # model chunks per pipeline rank (--num-virtual-stages-per-pipeline-rank)
     overlap_param_gather_with_optimizer_step: bool = False
     mtp_num_layers: int = 0          # --mtp-num-layers
+    clip_grad: float = 0.3           # below the tiny models' grad norms: clipping is active
 
 
 def patch_moe_without_te() -> None:
@@ -68,7 +69,8 @@ def transformer_config(spec: TinyMoE):
         kwargs["virtual_pipeline_model_parallel_size"] = spec.virtual_stages
     if spec.num_moe_experts:
         kwargs.update(num_moe_experts=spec.num_moe_experts, moe_router_topk=spec.moe_router_topk,
-                      moe_aux_loss_coeff=1e-2, moe_token_dispatcher_type="allgather")
+                      moe_aux_loss_coeff=1e-2, moe_token_dispatcher_type="allgather",
+                      add_bias_linear=False)   # 0.13 refuses biases with MoE
     if spec.mtp_num_layers:
         kwargs.update(mtp_num_layers=spec.mtp_num_layers, mtp_loss_scaling_factor=0.1)
     return TransformerConfig(**kwargs)
@@ -124,7 +126,8 @@ def build(spec: TinyMoE, mlp_config=None, inner_factory=None):
     patch_moe_without_te()
     init_parallel(spec)
     model = build_model(spec)
-    config = gpt.optimizer_config(spec, overlap_param_gather_with_optimizer_step=spec.overlap_param_gather_with_optimizer_step)
+    config = gpt.optimizer_config(spec, clip_grad=spec.clip_grad,
+                                  overlap_param_gather_with_optimizer_step=spec.overlap_param_gather_with_optimizer_step)
     with mlp_offload_optimizers(mlp_config, inner_factory):
         opt = get_megatron_optimizer(config, model)
     return model, opt
