@@ -69,14 +69,29 @@ def test_expert_optimizer_runs_over_the_expert_data_parallel_group():
     assert [m["dp_size"] for m in layout] == [2, 1]
 
 
-@pytest.mark.parametrize("spec", [MOE, VPP], ids=["moe-ep2-dp2", "pp2-vpp2-overlap-ag"])
-def test_chained_offload_optimizers_resume_from_their_checkpoint_bitwise(tmp_path, spec):
-    """torch_dist, dp_reshardable: save after 3 steps, load into a fresh build, train 3 more; the same
-    as not stopping. (The oracle is our own uninterrupted run: stock without TE/Apex cannot load into
-    a fresh optimizer on CPU.)"""
+def _formats():
+    """(default, fully reshardable) distributed-optimizer checkpoint formats of the installed line:
+    0.15 added dp_reshardable (its default) and fully_reshardable."""
+    import megatron.core
+    from packaging.version import Version
+
+    if Version(megatron.core.__version__) >= Version("0.15"):
+        return "dp_reshardable", "fully_reshardable"
+    return "dp_zero_gather_scatter", "fully_sharded_model_space"
+
+
+DEFAULT_FORMAT, RESHARDABLE_FORMAT = _formats()
+
+
+@pytest.mark.parametrize("spec,sharding", [(MOE, DEFAULT_FORMAT), (MOE, RESHARDABLE_FORMAT), (VPP, DEFAULT_FORMAT)],
+                         ids=["moe-ep2-dp2-default", "moe-ep2-dp2-reshardable", "pp2-vpp2-overlap-ag-default"])
+def test_chained_offload_optimizers_resume_from_their_checkpoint_bitwise(tmp_path, spec, sharding):
+    """torch_dist: save after 3 steps, load into a fresh build, train 3 more; the same as not
+    stopping. (The oracle is our own uninterrupted run: stock without TE/Apex cannot load into a
+    fresh optimizer on CPU.)"""
     cfg, ckpt = _config(tmp_path), str(tmp_path / "ckpt")
-    straight = run_distributed(moe.checkpoint_run, 2, spec, cfg, 3, 3, ckpt, "save")
-    resumed = run_distributed(moe.checkpoint_run, 2, spec, cfg, 3, 3, ckpt, "load")
+    straight = run_distributed(moe.checkpoint_run, 2, spec, cfg, 3, 3, ckpt, "save", sharding)
+    resumed = run_distributed(moe.checkpoint_run, 2, spec, cfg, 3, 3, ckpt, "load", sharding)
     for rank, (a, b) in enumerate(zip(straight, resumed)):
         assert a[0] == b[0] and a[1] == b[1], f"rank {rank}: {a[:2]} vs {b[:2]}"
         for name in a[2]:
