@@ -65,8 +65,17 @@ def test_chained_offload_optimizers_bitwise_equal_stock_chain(tmp_path, spec):
 
 def test_expert_optimizer_runs_over_the_expert_data_parallel_group():
     """EP=2 on 2 ranks: the dense optimizer shards over DP=2, the expert one over expert-DP=1."""
-    layout = _stock(MOE)[0][3]
-    assert [m["dp_size"] for m in layout] == [2, 1]
+    assert [m["dp_size"] for m in _stock(MOE)[0][3]] == [2, 1]
+
+
+def test_sharded_expert_optimizer_bitwise_equal_stock_when_expert_data_parallel_is_2(tmp_path):
+    """EP=2 on 4 ranks: DP=4 for the dense optimizer, expert-DP=2, so the expert optimizer's state
+    is sharded too (the smallest world that does so; EP=1 puts the experts in the dense optimizer)."""
+    stock = run_distributed(moe.train, 4, MOE, None, ITERS)
+    ours = run_distributed(moe.train, 4, MOE, _config(tmp_path, host_cache_bytes=1 << 16), ITERS)
+    assert [m["dp_size"] for m in ours[0][3]] == [4, 2]
+    assert min(n for r in stock for n in r[1]) > MOE.clip_grad
+    _assert_bitwise(ours, stock)
 
 
 def _formats():
