@@ -1,10 +1,12 @@
 """Make Megatron-Core's optimizer factory build MLPOffloadDistributedOptimizer.
 
-``get_megatron_optimizer`` constructs ``DistributedOptimizer`` by its module-level name in
-``megatron.core.optimizer``, with the same constructor signature from core_r0.13 to main. So we
-swap that one name for a subclass bound to the MLP-Offload config, *only while the factory
-runs*, and restore it afterwards (also on error). Every argument is passed through untouched:
-the factory's own signature changed between versions.
+``get_megatron_optimizer`` constructs ``DistributedOptimizer`` and ``ChainedOptimizer`` by their
+module-level names in ``megatron.core.optimizer``, with the same constructor signatures from
+core_r0.13 to main. So we swap those two names for a subclass bound to the MLP-Offload config and
+for ``chained.MLPOffloadChainedOptimizer``, *only while the factory runs*, and restore them
+afterwards (also on error). When the factory returns, the offload optimizers of every distributed
+optimizer it built are created, sharing the rank's host budget (``chained.finish_build``). Every
+argument is passed through untouched: the factory's own signature changed between versions.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ def bind_mlp_offload(mlp_config, inner_factory: Optional[Callable] = None):
     replacement for the offload optimizer's constructor)."""
     from megatron_mlp.megatron.optimizer import MLPOffloadDistributedOptimizer
 
-    attrs = {"mlp_config": mlp_config}
+    attrs = {"mlp_config": mlp_config, "_built": []}
     if inner_factory is not None:
         attrs["inner_factory"] = staticmethod(inner_factory)
     return type("MLPOffloadDistributedOptimizer", (MLPOffloadDistributedOptimizer,), attrs)
@@ -36,14 +38,18 @@ def mlp_offload_optimizers(mlp_config, inner_factory: Optional[Callable] = None)
         return
     import megatron.core.optimizer as mcore_optimizer
 
+    from megatron_mlp.megatron.chained import MLPOffloadChainedOptimizer, finish_build
+
     bound = bind_mlp_offload(mlp_config, inner_factory)
     with _SWAP_LOCK:
-        original = mcore_optimizer.DistributedOptimizer
+        original = mcore_optimizer.DistributedOptimizer, mcore_optimizer.ChainedOptimizer
         mcore_optimizer.DistributedOptimizer = bound
+        mcore_optimizer.ChainedOptimizer = MLPOffloadChainedOptimizer
         try:
             yield bound
         finally:
-            mcore_optimizer.DistributedOptimizer = original
+            mcore_optimizer.DistributedOptimizer, mcore_optimizer.ChainedOptimizer = original
+        finish_build(bound._built, mlp_config)
 
 
 def wrap_get_megatron_optimizer(get_megatron_optimizer: Callable, config_or_getter,

@@ -34,13 +34,16 @@ class Segment:
     param_view: torch.Tensor  # slice of the bucket's param buffer (what the all-gather sends)
 
 
-def default_inner_factory(mlp_config, group_ranges, param_groups, initial_params, staging_bytes=0):
+def default_inner_factory(mlp_config, group_ranges, param_groups, initial_params, staging_bytes=0,
+                          token_factory=None):
+    """OffloadAdam over one optimizer's shard. ``token_factory``: shared by the optimizers of one
+    rank (``chained.shared_token_factory``); None builds this optimizer's own tokens."""
     from megatron_mlp.optim.offload_adam import OffloadAdam
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     return OffloadAdam(mlp_config, group_ranges=group_ranges, param_groups=param_groups,
                        initial_params=initial_params, rank=rank, ranks_per_node=mlp_config.ranks_per_node,
-                       staging_bytes=staging_bytes)
+                       staging_bytes=staging_bytes, token_factory=token_factory)
 
 
 class OffloadInner:

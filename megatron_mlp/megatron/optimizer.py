@@ -58,7 +58,10 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
 
     mlp_config = None
     inner_factory: Optional[Callable] = None
-    _instances_built = 0   # per bound class, i.e. per get_megatron_optimizer call (factory.py)
+    # Per bound class, i.e. per get_megatron_optimizer call: the members whose offload optimizer
+    # the factory builds once Megatron has built them all (factory.py, chained.finish_build).
+    _built: list = []
+    chained_with = 1   # members of the ChainedOptimizer around this one (chained.py)
 
     def __init__(self, optimizer, config, grad_scaler, init_state_fn, *args, **kwargs):
         if self.mlp_config is None:
@@ -69,14 +72,6 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         # Refused before Megatron allocates anything: each would train differently from what
         # the flags say, silently.
         refuse_unsupported_config(config, args[0] if args else kwargs.get("model_chunks"))
-        type(self)._instances_built += 1
-        if type(self)._instances_built > 1:
-            raise ValueError(
-                "--mlp-offload: Megatron built more than one distributed optimizer (a ChainedOptimizer: "
-                "MoE expert parallelism with its own expert-data-parallel optimizer, or "
-                "--overlap-param-gather-with-optimizer-step with virtual pipeline stages). Each would clip "
-                "by its own partial gradient norm, unlike stock; not supported yet: train without "
-                "--mlp-offload or without that configuration")
         # Private copy: the caller's config (shared with other optimizers) keeps its meaning.
         config = copy.copy(config)
         config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
@@ -95,16 +90,37 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
             raise ValueError("--mlp-offload does not support Megatron FSDP; use --use-distributed-optimizer")
         refuse_separately_clipped_params(self.model_param_group_index_map)
         self._build_flat_layout()
-        factory = self.inner_factory or default_inner_factory
         torch_groups = self.optimizer.param_groups  # the dicts the LR scheduler writes
+        # The offload optimizer is built by build_offload once Megatron has built every distributed
+        # optimizer of this call: they share one host budget (chained.finish_build).
+        self.optimizer = OffloadInner(torch_groups, self._segments, self._numel, self._grad_dtype,
+                                       self._param_dtype, None, grad_transfer=self.mlp_config.grad_transfer)
+        type(self)._built.append(self)
+
+    @property
+    def offload_numel(self) -> int:
+        """Elements of this rank's shard: its optimizer state is 12 bytes each."""
+        return self._numel
+
+    @property
+    def offload_role(self) -> str:
+        """What this optimizer updates, for the start-up log: 'expert' (expert-data-parallel) or 'dense'."""
+        experts = [id(b) for c in self.model_chunks for b in getattr(c, "expert_parallel_buffers", None) or ()]
+        return "expert" if any(id(b) in experts for b in self.buffers) else "dense"
+
+    def build_offload(self, mlp_config, token_factory=None) -> None:
+        """Build the offload optimizer over this rank's shard with ``mlp_config`` (its share of the
+        rank's host budget) and, for the optimizers of one rank, their shared tier tokens."""
+        if self.optimizer.offload is not None:
+            return
+        factory = self.inner_factory or default_inner_factory
         # OffloadInner's pinned _grads_host/_params_host count in --mlp-offload-host-memory.
         from megatron_mlp.optim.host_memory import staging_bytes
-        offload = factory(self.mlp_config, self._group_ranges, torch_groups, self._initial_params,
-                          staging_bytes=staging_bytes(self._numel, transfer_dtype(self._grad_dtype,
-                                                                                  self.mlp_config.grad_transfer),
-                                                      self._param_dtype))
-        self.optimizer = OffloadInner(torch_groups, self._segments, self._numel, self._grad_dtype,
-                                       self._param_dtype, offload, grad_transfer=self.mlp_config.grad_transfer)
+        staging = staging_bytes(self._numel, transfer_dtype(self._grad_dtype, mlp_config.grad_transfer),
+                                self._param_dtype)
+        extra = {"token_factory": token_factory} if token_factory is not None and factory is default_inner_factory else {}
+        self.optimizer.offload = factory(mlp_config, self._group_ranges, self.optimizer.param_groups,
+                                         self._initial_params, staging_bytes=staging, **extra)
 
     # -- layout ---------------------------------------------------------------------------------
     def _build_flat_layout(self) -> None:
@@ -214,6 +230,10 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         self._grad_norm = super().get_grad_norm()
         return self._grad_norm
 
+    def use_global_grad_norm(self, grad_norm: float) -> None:
+        """The ChainedOptimizer's norm over all its members: the one stock clips every member by."""
+        self._grad_norm = grad_norm
+
     def clip_grad_norm(self, clip_grad: float) -> float:
         """The norm; the clipping itself happens in fp32 inside the Adam kernel (module doc, 3)."""
         return self.get_grad_norm()
@@ -237,6 +257,11 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         self._drop_staged()  # the state changes now
         if not self.is_stub_optimizer and self._clip_grad > 0.0:
             if self._grad_norm is None:
+                if self.chained_with > 1:
+                    # This optimizer's own norm covers part of the model only: clipping by it
+                    # would differ from stock, which clips every member by the chain's norm.
+                    raise RuntimeError("MLP-Offload: step_with_ready_grads of one member of a ChainedOptimizer "
+                                       "ran without the chain's gradient norm; call the ChainedOptimizer's step()")
                 self.get_grad_norm()
             # Same coefficient and condition as clip_grad_by_total_norm_fp32.
             clip_coeff = self._clip_grad / (self._grad_norm + 1.0e-6)

@@ -113,6 +113,10 @@ def _patch_megatron(patch) -> None:
 
     if not hasattr(numpy, "product"):
         numpy.product = numpy.prod
+    # Megatron-Core 0.16's MoE router reads a Transformer Engine name that exists only with TE.
+    from megatron_mlp.testing.moe import patch_moe_without_te
+
+    patch_moe_without_te()
     # Not skipped: initialize.py's `make` of the dataset index helper (compile_helpers). Mock data
     # indexes its samples with that helper too, and building it is what every GPU run does.
 

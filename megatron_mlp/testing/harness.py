@@ -131,6 +131,20 @@ class CpuEvent(CpuStream):
 _CPU_STREAM = CpuStream()
 
 
+def _backward_in_mode(self, *args):
+    """Patch 7: autograd Functions' ``backward`` runs with patch 1 active.
+
+    ``loss.backward()`` passes through patch 1's handler, and a mode is off while its own handler
+    runs; the Python ``backward`` of Megatron's autograd Functions allocates on the CUDA device
+    too (the MoE token dispatch's gathers), so the mode is put back for it.
+    """
+    mode = _STATE.get("mode")
+    if mode is None or mode in torch.overrides._get_current_function_mode_stack():
+        return _STATE["orig_backward_apply"](self, *args)
+    with mode:
+        return _STATE["orig_backward_apply"](self, *args)
+
+
 def install_cpu_harness() -> None:
     """Map Megatron-Core's CUDA assumptions onto the CPU (idempotent).
 
@@ -167,6 +181,10 @@ def install_cpu_harness() -> None:
         torch.cuda.synchronize = lambda device=None: None
         # Patch 6 (see CpuStream).
         torch.cuda.current_stream = lambda device=None: _CPU_STREAM
+        # Patch 7 (see _backward_in_mode).
+        from torch.autograd.function import BackwardCFunction
+        _STATE["orig_backward_apply"] = BackwardCFunction.apply
+        BackwardCFunction.apply = _backward_in_mode
         # Gloo is the only backend here; dynamo would try to compile Megatron's jit'd
         # fusions for a device that does not exist.
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -185,6 +203,8 @@ def uninstall_cpu_harness() -> None:
         mrandom.CudaRNGStatesTracker.fork = _STATE["orig_fork"]
         torch.cuda.synchronize = _STATE["orig_synchronize"]
         torch.cuda.current_stream = _STATE["orig_current_stream"]
+        from torch.autograd.function import BackwardCFunction
+        BackwardCFunction.apply = _STATE["orig_backward_apply"]
         _STATE.clear()
 
 

@@ -1,0 +1,106 @@
+"""Several MLP-Offload distributed optimizers in one ChainedOptimizer, computed as stock computes them.
+
+Megatron-Core builds more than one distributed optimizer per ``get_megatron_optimizer`` call for a
+mixture-of-experts model with expert parallelism (a dense optimizer over the data-parallel group,
+an expert optimizer over the expert-data-parallel group) and for ``--overlap-param-gather-with-
+optimizer-step`` with virtual pipeline stages (the first model chunk gets its own optimizer), and
+chains them in a ``ChainedOptimizer``. Its ``step`` ORs the members' inf/NaN checks, computes one
+gradient norm over all of them, and clips each member's gradients by that norm.
+
+Our members defer the clip into their fused kernels (``optimizer.py``, point 3), so each must know
+the chain's norm, not its own partial one: ``MLPOffloadChainedOptimizer`` (built in place of
+``ChainedOptimizer`` while the factory runs, ``factory.py``) hands the norm it computes to every
+member. Everything else (the inf/NaN decision, checkpoints, the param all-gather started after the
+first member for the overlap) is Megatron's own ChainedOptimizer code.
+
+The members share one rank's resources: ``--mlp-offload-host-memory`` is per rank, so
+``finish_build`` splits it over the rank's optimizers by their state size (and says so in the
+log), and gives them one set of tier tokens. Each member places its own subgroups over the tiers
+with the same rule, in its own scratch directory per tier.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+from megatron_mlp.units import human_bytes
+
+logger = logging.getLogger(__name__)
+
+
+class MLPOffloadChainedOptimizer(ChainedOptimizer):
+    """ChainedOptimizer whose global gradient norm reaches the members' kernels."""
+
+    def __init__(self, chained_optimizers):
+        super().__init__(chained_optimizers)
+        for opt in self.chained_optimizers:
+            if hasattr(opt, "use_global_grad_norm"):
+                opt.chained_with = len(self.chained_optimizers)
+
+    def get_grad_norm(self):
+        """Stock's norm over every member (same process groups, same arithmetic), remembered by each
+        member for its clip coefficient."""
+        norm = super().get_grad_norm()
+        for opt in self.chained_optimizers:
+            if hasattr(opt, "use_global_grad_norm"):
+                opt.use_global_grad_norm(norm)
+        return norm
+
+
+def split_host_budget(config, numels: list[int]) -> list:
+    """One config per optimizer of this rank, the per-rank host budget split by state size.
+
+    ``--mlp-offload-host-memory`` (``host_memory_bytes``) bounds everything MLP-Offload holds in a
+    rank's host memory, whatever the number of optimizers; each optimizer's state is 12 bytes per
+    element of its shard, so each gets ``budget * numel / total`` (rounded down). ``host_cache_bytes``
+    (tests, benchmarks) is split the same way. With one optimizer the config is returned unchanged.
+    """
+    if len(numels) <= 1:
+        return [config] * len(numels)
+    total = sum(numels)
+
+    def share(value: int, n: int) -> int:
+        return value * n // total if total else 0
+
+    return [dataclasses.replace(config, host_memory_bytes=share(config.host_memory_bytes, n),
+                                host_cache_bytes=share(config.host_cache_bytes, n)) for n in numels]
+
+
+def shared_token_factory(config):
+    """A token factory that hands every optimizer of this rank the same token object per tier and
+    direction: the rank is one holder in the node's queue for a tier, however many optimizers it has."""
+    from megatron_mlp.optim.tier_stores import default_token_factory
+
+    make = default_token_factory(config)
+    tokens: dict = {}
+
+    def cached(spec, direction="rw"):
+        key = (spec.path, direction)
+        if key not in tokens:
+            tokens[key] = make(spec, direction)
+        return tokens[key]
+
+    return cached
+
+
+def finish_build(members: list, config) -> None:
+    """Build each member's offload optimizer once Megatron has built them all (the split needs every
+    member's size). Logs the split when there is more than one."""
+    members = [m for m in members if not m.is_stub_optimizer]
+    if not members:
+        return
+    numels = [m.offload_numel for m in members]
+    configs = split_host_budget(config, numels)
+    if len(members) > 1:
+        budget = config.host_memory_bytes or config.host_cache_bytes
+        what = "--mlp-offload-host-memory" if config.host_memory_bytes else "the host cache"
+        parts = [f"{m.offload_role} {n} params: {human_bytes(c.host_memory_bytes or c.host_cache_bytes)}"
+                 for m, n, c in zip(members, numels, configs)]
+        logger.info("MLP-Offload: %d distributed optimizers on this rank share %s (%s per rank), split by "
+                    "state size: %s", len(members), what, human_bytes(budget) if budget else "no fixed budget",
+                    "; ".join(parts))
+    tokens = shared_token_factory(config) if len(members) > 1 else None
+    for member, member_config in zip(members, configs):
+        member.build_offload(member_config, token_factory=tokens)
