@@ -134,6 +134,40 @@ def _backward_under_harness(self, *args):
         return orig(self, *args)
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """Runs first in a manager's server process: killed with its parent (Linux ``PR_SET_PDEATHSIG``;
+    elsewhere nothing), and gone at once if the parent is gone already."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def _results_queue_dying_with_process():
+    """Patch 8: the queue Megatron's torch_dist checkpoint writer collects results on, from a
+    manager process that dies with this one.
+
+    Megatron makes it once per process with ``mp.get_context("spawn").Manager().Queue()`` and never
+    stops that manager; a normal exit stops it, but a rank killed (a crash test's SIGKILL, torchrun
+    ending the other ranks after a failure) left the manager and its resource tracker running forever.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+
+    if fsa._results_queue is None:
+        import multiprocessing as mp
+        from multiprocessing.managers import SyncManager
+
+        manager = SyncManager(ctx=mp.get_context("spawn"))
+        manager.start(_die_with_parent, (os.getpid(),))
+        fsa._results_queue = manager.Queue()  # the proxy keeps the manager (and its stop at exit)
+    return fsa._results_queue
+
+
 def _is_cuda_device(value) -> bool:
     if isinstance(value, torch.device):
         return value.type == "cuda"
@@ -272,6 +306,14 @@ def install_cpu_harness(half_matmul: str | None = None) -> None:
         # Patch 7, backward half (see _backward_under_harness).
         _STATE["orig_backward_apply"] = torch.autograd.function.BackwardCFunction.apply
         torch.autograd.function.BackwardCFunction.apply = _backward_under_harness
+        # Patch 8 (see _results_queue_dying_with_process), where this Megatron has that queue.
+        try:
+            from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+        except ImportError:
+            fsa = None
+        if fsa is not None and hasattr(fsa, "_get_write_results_queue"):
+            _STATE["orig_results_queue"] = (fsa, fsa._get_write_results_queue)
+            fsa._get_write_results_queue = _results_queue_dying_with_process
         # Patch 2 (see _cuda_type).
         torch.Tensor.type = _cuda_type
         # Patch 3: torch.cuda.current_device() returns 0 instead of initialising CUDA;
@@ -310,6 +352,9 @@ def uninstall_cpu_harness() -> None:
 
         _STATE["mode"].__exit__(None, None, None)
         torch.autograd.function.BackwardCFunction.apply = _STATE["orig_backward_apply"]
+        if "orig_results_queue" in _STATE:
+            fsa, orig = _STATE["orig_results_queue"]
+            fsa._get_write_results_queue = orig
         torch.Tensor.type = _STATE["orig_type"]
         torch.cuda.current_device = _STATE["orig_current_device"]
         mrandom.CudaRNGStatesTracker.fork = _STATE["orig_fork"]
