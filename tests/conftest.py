@@ -57,3 +57,89 @@ def pytest_runtest_makereport(item, call):
 
 
 _ISA: dict = {}
+
+
+# ---- Nothing left behind: no process started by the suite outlives it ----------------------------
+# Every process the suite starts inherits this marker in its environment (subprocess, torchrun,
+# multiprocessing), so one re-parented to PID 1 is still found by it; children that are still
+# attached are found by ancestry too.
+SESSION_ENV = "MLP_TEST_SESSION"
+
+
+def pytest_sessionstart(session):
+    import uuid
+
+    os.environ[SESSION_ENV] = uuid.uuid4().hex
+
+
+def _session_processes(marker: str) -> list:
+    import psutil
+
+    me = psutil.Process()
+    found = {p.pid: p for p in me.children(recursive=True)}
+    for p in psutil.process_iter():
+        if p.pid == me.pid or p.pid in found:
+            continue
+        try:
+            if p.environ().get(SESSION_ENV) == marker:
+                found[p.pid] = p
+        except (psutil.Error, OSError):  # gone, another user's, or a kernel thread
+            continue
+    alive = []
+    for p in found.values():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.Error:
+            continue
+    return alive
+
+
+def _stop_multiprocessing_helpers() -> None:
+    """The fork server and resource tracker multiprocessing starts on first use live as long as
+    the process that started them; stop this session's own, as the interpreter would at exit."""
+    from multiprocessing import forkserver, resource_tracker
+
+    for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+        try:
+            helper._stop()
+        except Exception:  # noqa: BLE001 -- not started, or already gone
+            pass
+
+
+def leftover_processes(marker: str, grace_s: float = 10.0) -> list[str]:
+    """Processes of this test session still running after ``grace_s``; each is killed and named."""
+    import time
+
+    import psutil
+
+    _stop_multiprocessing_helpers()
+    deadline = time.monotonic() + grace_s
+    procs = _session_processes(marker)
+    while procs and time.monotonic() < deadline:
+        time.sleep(0.2)
+        procs = _session_processes(marker)
+    names = []
+    for p in procs:
+        try:
+            names.append(f"pid {p.pid} (parent {p.ppid()}): {' '.join(p.cmdline())[:200]}")
+            p.kill()
+        except psutil.Error:
+            continue
+    return names
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    marker = os.environ.get(SESSION_ENV)
+    if not marker:
+        return
+    names = leftover_processes(marker)
+    if names:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = ["processes started by the test session outlived it (killed now):"] + [f"  {n}" for n in names]
+        if reporter is not None:
+            reporter.write_line("\n".join(lines), red=True)
+        else:
+            print("\n".join(lines))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,0 +1,101 @@
+"""The suite's own check: a process a test starts and leaves running fails the run (and is stopped)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+TESTS = Path(__file__).resolve().parents[1]
+ROOT = TESTS.parent
+
+LEAKY = '''
+import subprocess, sys
+def test_leaves_a_sleeper_behind():
+    # A new session, so it is not the pytest process's child once it is orphaned either.
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+'''
+TIDY = '''
+import multiprocessing as mp
+def _square(x):
+    return x * x
+def test_uses_multiprocessing_and_cleans_up():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=q.put, args=(1,))
+    p.start()
+    assert q.get(timeout=60) == 1
+    p.join()
+'''
+
+
+def _run_inner(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
+    shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_inner.py").write_text(body)
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _sleepers(marker_text: str) -> list:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if marker_text in " ".join(p.info["cmdline"] or []):
+            found.append(p)
+    return found
+
+
+def test_session_fails_and_stops_the_process_when_a_test_leaves_one_running(tmp_path):
+    proc = _run_inner(tmp_path, LEAKY)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "1 passed" in out  # the test itself passed: the session check failed the run
+    assert "outlived it" in out and "time.sleep(120)" in out
+    assert not [p for p in _sleepers("time.sleep(120)") if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_session_passes_when_its_multiprocessing_helpers_are_the_only_processes_left(tmp_path):
+    proc = _run_inner(tmp_path, TIDY)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _save_queue_then_die(pid_file: str) -> None:
+    import signal
+
+    import psutil as ps
+
+    from megatron_mlp.testing import install_cpu_harness
+
+    install_cpu_harness()
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+
+    fsa._get_write_results_queue().put(1)  # what a torch_dist save does first
+    Path(pid_file).write_text(" ".join(str(c.pid) for c in ps.Process().children(recursive=True)))
+    os.kill(os.getpid(), signal.SIGKILL)  # a crash test's rank
+
+
+def test_megatron_checkpoint_queue_manager_dies_with_a_killed_rank_when_harness_installed(tmp_path):
+    """Megatron's torch_dist writer keeps a spawn Manager for its whole process; a rank killed after
+    a save used to leave that manager and its resource tracker running, re-parented to PID 1."""
+    import multiprocessing as mp
+    import time
+
+    pytest = __import__("pytest")
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    pid_file = tmp_path / "children"
+    proc = mp.get_context("spawn").Process(target=_save_queue_then_die, args=(str(pid_file),))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == -9
+    children = [int(p) for p in pid_file.read_text().split()]
+    assert children, "the save should have started a manager process"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        alive = [p for p in children if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            break
+        time.sleep(0.2)
+    assert not alive, [" ".join(psutil.Process(p).cmdline()) for p in alive]
