@@ -199,7 +199,8 @@ def plan_host_memory(config, buffer_bytes: int, staging: int = 0) -> HostMemoryP
         total = staging + upcast + (prefetch + flush + 1 + cache) * buffer_bytes
         return HostMemoryPlan(total, buffer_bytes, staging, upcast, prefetch, flush, cache, False, requested)
     piece_params = stream_piece_params(config.block_bytes)
-    if MIN_WORKING_BUFFERS * buffer_bytes > MIN_STREAM_PIECES * piece_buffer_bytes(piece_params):
+    if getattr(config, "host_pool_pieces", True) and \
+            MIN_WORKING_BUFFERS * buffer_bytes > MIN_STREAM_PIECES * piece_buffer_bytes(piece_params):
         return _plan_pieces(config, budget, buffer_bytes, staging, upcast, piece_params, requested)
     least = minimum_bytes(buffer_bytes, staging, upcast)
     if budget < least:
