@@ -135,3 +135,44 @@ def test_a_corrupt_streamed_piece_raises_before_the_record_switches(two_tiers):
             opt.step(grads(1))
         assert rec.generation == generation
         assert opt.pool.in_use == len(opt.residency.buffers), "a piece buffer was not given back"
+
+
+def _placement_and_memory(budget, subgroups=8, pieces=True):
+    from megatron_mlp.optim.placement import PlacementTier, host_memory_for, place, step_traffic
+    from megatron_mlp.optim.subgroups import SubgroupPlan
+    config = MLPOffloadConfig.from_paths("/a;/b", subgroup_params=SUB, use_tokens=False, host_memory_bytes=budget,
+                                         block_bytes=BLOCK, calibration="off", warm_buffers=False,
+                                         host_pool_pieces=pieces)
+    plan = SubgroupPlan([(0, subgroups * SUB)], SUB)
+    memory = host_memory_for(plan, config)
+    tiers = [PlacementTier("/a", 1e6, 1e6, shared_rw_limit=True), PlacementTier("/b", 1e6, 1e6, shared_rw_limit=False)]
+    return place(step_traffic(plan, config, memory), tiers, 1), memory
+
+
+def test_predicted_update_overlaps_tiers_and_kernel_when_the_pool_streams_pieces():
+    from megatron_mlp.optim.placement.model import update_seconds
+    placement, memory = _placement_and_memory(5 * PIECE)
+    assert memory.streams
+    io = placement.total_seconds
+    ends = 2 * PIECE / 1e6
+    assert update_seconds(placement, memory) == pytest.approx(io + ends)
+    assert update_seconds(placement, memory, kernel_seconds=10 * io) == pytest.approx(10 * io + ends)
+
+
+def test_predicted_update_adds_the_tiers_when_two_whole_buffers_cannot_fetch_ahead():
+    from megatron_mlp.optim.placement.model import update_seconds
+    placement, memory = _placement_and_memory(2 * REGION + 10, pieces=False)
+    assert not memory.streams and memory.prefetch_depth == 0
+    assert update_seconds(placement, memory, 1.0) == pytest.approx(sum(placement.tier_seconds) + 1.0)
+
+
+def test_pool_gives_a_free_buffer_of_one_size_back_when_another_size_needs_the_room():
+    from megatron_mlp.optim.host_pool import HostBufferPool
+    pool = HostBufferPool(bytearray, 100, limit_bytes=250)
+    whole = [pool.try_acquire(), pool.try_acquire()]
+    assert pool.try_acquire(nbytes=60) is None, "200 + 60 is over the limit"
+    pool.release(whole.pop())
+    pieces = [pool.try_acquire(nbytes=60) for _ in range(2)]
+    assert all(p is not None for p in pieces) and pool.allocated_bytes == 100 + 120 <= pool.limit_bytes
+    assert pool.try_acquire() is None
+    assert pool.peak_bytes <= 250 and pool.over_budget_bytes == 0
