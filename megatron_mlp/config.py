@@ -150,6 +150,10 @@ class MLPOffloadConfig:
     too: they keep the subgroups updated last, unwritten, and the next step, which runs the other
     way, updates them first without reading them and writes one back only when a fetch needs its
     buffer: fewer bytes read and written, no extra host memory."""
+    host_pool_pieces: bool = True
+    """No flag: with a given ``host_memory_bytes``, subgroups larger than a few pieces stream through
+    a pool of pieces (optim/piece_stream.py). False keeps whole-subgroup working buffers at any
+    budget (``bench update`` measures both in one run)."""
     grad_transfer: str = "auto"
     """--mlp-offload-grad-transfer: 'auto' copies the reduced gradient shard to the host in the
     grad buffer's dtype (bitwise what stock Megatron updates with); 'bf16' rounds an fp32 shard to

@@ -30,6 +30,9 @@ ABLATION = (
 
 
 CHECKSUM_OFF = "MLP-Offload without checksums"
+WHOLE_BUFFERS = "MLP-Offload, whole-subgroup working buffers"
+"""Not cumulative: MLP-Offload at the headline budget with the pool in whole subgroups, as before
+the pool in pieces (``host_pool_pieces=False``): what the pieces bring, measured in the same run."""
 MLP_NAME = ABLATION[-1][0]
 
 # Steps left out of every median, on every side, when there are more. The first fills the host
@@ -62,6 +65,14 @@ def run_config(args, tiers, **overrides):
                   adam_threads=args.adam_threads, runtime_dir=args.runtime_dir)
     fields.update(overrides)   # a sweep budget overrides the headline one
     return MLPOffloadConfig(**fields)
+
+
+def _streams(args, tiers, numel: int) -> bool:
+    """Whether MLP-Offload at the headline budget runs the pool in pieces (then the bench also runs it
+    in whole-subgroup buffers, ``WHOLE_BUFFERS``)."""
+    from megatron_mlp.optim.placement import host_memory_for
+    from megatron_mlp.optim.subgroups import SubgroupPlan
+    return host_memory_for(SubgroupPlan([(0, numel)], args.subgroup_params), run_config(args, tiers)).streams
 
 
 def sweep_name(budget: int) -> str:
@@ -110,6 +121,8 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
                               "peak_host_bytes": base.peak_host_bytes}
 
         variants = [ABLATION[-1]] if args.no_ablation else list(ABLATION)
+        if _streams(args, tiers, numel):
+            variants.append((WHOLE_BUFFERS, dict(ABLATION[-1][1], host_pool_pieces=False)))
         if not args.no_ablation:
             # Not cumulative: MLP-Offload with the crc32c of every region turned off -- its cost.
             variants.append((CHECKSUM_OFF, dict(ABLATION[-1][1], checksum=False)))

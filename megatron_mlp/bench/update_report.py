@@ -70,7 +70,13 @@ def format_text(r: UpdateResult) -> str:
     if mlp["no_checksum_s"] is not None:
         lines.append(f"  (MLP-Offload without checksums: {mlp['no_checksum_s']:.2f} s; crc32c threads "
                      f"busy {mlp['checksum_thread_s']:.2f} s per step, overlapped with I/O)")
+    if mlp.get("whole_buffers_s"):
+        lines.append(f"  (the same budget in whole-subgroup working buffers, as before the pool in pieces: "
+                     f"{mlp['whole_buffers_s']:.2f} s, {base['seconds'] / mlp['whole_buffers_s']:.2f}x)")
     m = mlp["host_memory"]
+    if m.get("stream_pieces"):
+        lines.append(f"host pool in pieces: a stream of {m['stream_pieces']} pieces of "
+                     f"{m['piece_bytes'] / 2**20:.1f} MiB beside the cache")
     lines.append(f"host memory per rank (limit {c['host_memory_bytes'] / GB:.2f} GB): baseline "
                  f"{base['host_bytes'] / GB:.2f} GB (double buffers), MLP-Offload "
                  f"{mlp['host_bytes'] / GB:.2f} GB measured ({m['working_buffers']} working buffers, prefetch "
@@ -84,7 +90,7 @@ def format_text(r: UpdateResult) -> str:
         for row in r.sweep:
             lines.append(f"  {row['host_memory_bytes'] / GB:7.2f} GB  {row['mlp_s']:7.2f} s  {_f(row['speedup'])}x  "
                          f"({row['mlp_host_bytes'] / GB:.2f} GB used, {row['host_memory']['cache_buffers']} cache "
-                         f"buffers)")
+                         f"buffers; predicted {_f(row.get('predicted_s'))} s)")
     lines.append(f"references (yardsticks from the bandwidth passes, not bounds): I/O {_f(ref['io_s'])} s "
                  f"(MLP-Offload {_x(ref['mlp_vs_io'])}); placement model predicted {_f(ref['predicted_s'])} s")
     lines.append(f"the step's kernels alone on {ref['kernel_threads'] or 'every'} thread(s), no I/O: "

@@ -15,7 +15,8 @@ import platform
 import statistics
 from dataclasses import asdict, dataclass
 
-from megatron_mlp.bench.update_rank import CHECKSUM_OFF, MLP_NAME, run_config, steady_slice, sweep_name
+from megatron_mlp.bench.update_rank import (CHECKSUM_OFF, MLP_NAME, WHOLE_BUFFERS, run_config, steady_slice,
+                                            sweep_name)
 from megatron_mlp.bench.update_tiers import faster_of
 from megatron_mlp.optim.placement.reference import fluid_update_seconds, tier_io_seconds
 
@@ -93,6 +94,8 @@ def _variants(results, baseline_s: float):
                "speedup": baseline_s / med if med > 0 else None}
         if variant["name"] == CHECKSUM_OFF:
             extra = row
+        elif variant["name"] == WHOLE_BUFFERS:
+            sweep_rows[WHOLE_BUFFERS] = (i, row)
         elif variant["name"].startswith("MLP-Offload at "):
             sweep_rows[variant["name"]] = (i, row)
         else:
@@ -124,18 +127,22 @@ def _tier_rows(bandwidth, reference_bw, bandwidth_after, mlp_stats, steps: int) 
     return rows
 
 
-def _placement(args, tiers):
-    """The placement model's plan for this shard, its host memory, and the bytes host memory
-    carries between steps over all ranks (the cache and the working buffers' subgroups)."""
+def _placement(args, tiers, budget=None, kernel_s: float = 0.0):
+    """The placement model's plan for this shard, the bytes host memory carries between steps over
+    all ranks (the cache and the working buffers' subgroups), and the predicted update time
+    (``placement.model.update_seconds``, with the measured kernel time) at ``budget`` (default:
+    the headline one)."""
     from megatron_mlp.optim.placement import host_memory_for, plan_for, warm_subgroups
+    from megatron_mlp.optim.placement.model import update_seconds
     from megatron_mlp.optim.subgroups import SubgroupPlan
 
     plan = SubgroupPlan([(0, args.num_params // args.ranks)], args.subgroup_params)
-    config = run_config(args, tiers)
+    config = run_config(args, tiers, **({} if budget is None else {"host_memory_bytes": budget}))
     memory = host_memory_for(plan, config)
     placement = plan_for(plan, config, args.ranks, memory=memory)
     warm_bytes = warm_subgroups(config, memory) * plan.max_region_bytes * args.ranks
-    return placement, warm_bytes, memory.cache_bytes * args.ranks + warm_bytes
+    return placement, warm_bytes, memory.cache_bytes * args.ranks + warm_bytes, \
+        update_seconds(placement, memory, kernel_s)
 
 
 def _paired(results, io_reference_s: float) -> dict:
@@ -177,10 +184,10 @@ def summarize(args, tiers, bandwidth, results, bandwidth_after=None) -> UpdateRe
     mlp_variant = results[0]["variants"][mlp_index]
     tier_rows = _tier_rows(bandwidth, reference_bw, bandwidth_after, mlp_stats, args.steps)
     io_reference_s = max(row["io_reference_s"] for row in tier_rows)
-    placement, warm_bytes, held_bytes = _placement(args, tiers)
+    kernel_s = max(r["kernel_reference"]["seconds"] for r in results)
+    placement, warm_bytes, held_bytes, predicted_s = _placement(args, tiers, kernel_s=kernel_s)
     # Bytes of state over all ranks: fp32 params, exp_avg, exp_avg_sq.
     policy_s = fluid_update_seconds(12.0 * args.num_params, held_bytes, reference_bw)
-    kernel_s = max(r["kernel_reference"]["seconds"] for r in results)
     step_s = max(io_reference_s, kernel_s)
     base_last = results[0]["baseline"]["last"]
     mlp_last = mlp_stats[0][-1]
@@ -188,17 +195,18 @@ def summarize(args, tiers, bandwidth, results, bandwidth_after=None) -> UpdateRe
     # double buffers.
     mlp_host = max(r["variants"][mlp_index]["host_bytes"] for r in results)
     sweep = [{"host_memory_bytes": args.host_memory, "mlp_s": mlp_s, "speedup": mlp["speedup"],
-              "mlp_host_bytes": mlp_host, "host_memory": mlp_variant["host_memory"]}]
+              "mlp_host_bytes": mlp_host, "host_memory": mlp_variant["host_memory"], "predicted_s": predicted_s}]
     for budget in args.host_memory_list[1:]:
         i, row = sweep_rows[sweep_name(budget)]
         sweep.append({"host_memory_bytes": budget, "mlp_s": row["seconds"], "speedup": row["speedup"],
                       "mlp_host_bytes": max(r["variants"][i]["host_bytes"] for r in results),
-                      "host_memory": results[0]["variants"][i]["host_memory"]})
+                      "host_memory": results[0]["variants"][i]["host_memory"],
+                      "predicted_s": _placement(args, tiers, budget, kernel_s)[3]})
     paired = _paired(results, io_reference_s)
     references = {"io_s": io_reference_s, "mlp_vs_io": _ratio(mlp_s, io_reference_s),
                   "kernel_s": kernel_s, "kernel_threads": results[0]["kernel_reference"]["threads"],
                   "step_s": step_s, "mlp_vs_step": _ratio(mlp_s, step_s),
-                  "policy_s": policy_s, "predicted_s": placement.total_seconds}
+                  "policy_s": policy_s, "predicted_s": predicted_s, "predicted_io_s": placement.total_seconds}
     result = UpdateResult(
         machine={"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         config={"paths": args.paths, "num_params": args.num_params, "subgroup_params": args.subgroup_params,
@@ -219,6 +227,7 @@ def summarize(args, tiers, bandwidth, results, bandwidth_after=None) -> UpdateRe
              "tier_of": mlp_variant["tier_of"], "host_limit_bytes": mlp_variant["host_limit_bytes"],
              "host_bytes": mlp_host, "host_memory": mlp_variant["host_memory"], "warm_bytes": warm_bytes,
              "no_checksum_s": extra.get("seconds"),
+             "whole_buffers_s": sweep_rows[WHOLE_BUFFERS][1]["seconds"] if WHOLE_BUFFERS in sweep_rows else None,
              "checksum_cost_s": mlp_s - extra["seconds"] if extra else None,
              "checksum_thread_s": sum(t["checksum_s"] for t in mlp_last["tiers"]),
              "last_step": mlp_last},

@@ -17,6 +17,14 @@ or written back); a budget below it is refused, naming the flag, the budget and 
 budget between the minimum and the configured depths gets shallower depths (prefetch first), never
 an error: the breakdown says so.
 
+**The pool in pieces** (a given budget, subgroups larger than ``MIN_STREAM_PIECES`` pieces): the
+working buffers are pieces of ``piece_bytes`` (one I/O block of each state array,
+``stream_piece_params``), not subgroups. A subgroup that is neither cached nor kept streams through
+them piece by piece (``optim/piece_stream.py``): read, updated, written back. The minimum becomes
+staging + upcast + ``MIN_STREAM_PIECES`` pieces, whatever the subgroup size; the stream gets up to
+``STREAM_PIECES`` pieces and the cache the whole subgroups that fit beside them (the rest of the
+budget goes to the stream again).
+
 A budget of 0 means "just the pipeline": the configured depths, plus ``host_cache_bytes`` of cache
 (the programmatic form tests and benchmarks use; there is no flag for it).
 
@@ -31,6 +39,25 @@ from megatron_mlp.errors import ConfigError
 
 FLAG = "--mlp-offload-host-memory"
 MIN_WORKING_BUFFERS = 2
+MIN_STREAM_PIECES = 4
+"""The least pieces the stream runs in: one being read, one updated, one written back, one spare."""
+STREAM_PIECES = 16
+"""Pieces the stream gets before the cache takes whole subgroups: enough to read ahead and write
+behind on every tier at once (a few per tier) with the kernel between them."""
+
+
+def stream_piece_params(block_bytes: int) -> int:
+    """Elements of one piece of the pool: one I/O block of each state array (``--mlp-offload-io-block-size``,
+    8 MiB by default: 24 MiB pieces), so a piece is three full-size engine requests."""
+    from megatron_mlp.optim.subgroups import ALIGN_ELEMS, FP32_BYTES, align_up
+    return align_up(int(block_bytes) // FP32_BYTES, ALIGN_ELEMS)
+
+
+def piece_buffer_bytes(piece_params: int) -> int:
+    """Bytes of a piece buffer: three arrays of a piece, plus the sliver and padding a subgroup's
+    last piece may carry (``Subgroup.pieces`` joins a sliver below one alignment to it)."""
+    from megatron_mlp.optim.subgroups import ALIGN_ELEMS, FP32_BYTES, STATE_NAMES
+    return len(STATE_NAMES) * FP32_BYTES * (int(piece_params) + 2 * ALIGN_ELEMS)
 
 
 def staging_bytes(numel: int, grad_dtype, param_dtype) -> int:
@@ -56,18 +83,32 @@ class HostMemoryPlan:
     given: bool
     """Whether the budget was given (``host_memory_bytes`` > 0) or derived from the configuration."""
     requested_depths: tuple[int, int] = (0, 0)
+    piece_bytes: int = 0
+    """One piece buffer of the stream (``piece_buffer_bytes``); 0: whole-subgroup working buffers."""
+    stream_pieces: int = 0
+    """Pieces the stream may hold at once (0: no stream, the whole-subgroup pipeline)."""
+    piece_params: int = 0
+
+    @property
+    def streams(self) -> bool:
+        return self.stream_pieces > 0
 
     @property
     def working_buffers(self) -> int:
-        return self.prefetch_depth + self.flush_depth + 1
+        """Whole-subgroup working buffers (none when the pipeline streams pieces)."""
+        return 0 if self.streams else self.prefetch_depth + self.flush_depth + 1
 
     @property
     def pool_buffers(self) -> int:
         return self.working_buffers + self.cache_buffers
 
     @property
+    def stream_bytes(self) -> int:
+        return self.stream_pieces * self.piece_bytes
+
+    @property
     def pool_bytes(self) -> int:
-        return self.pool_buffers * self.buffer_bytes
+        return self.pool_buffers * self.buffer_bytes + self.stream_bytes
 
     @property
     def cache_bytes(self) -> int:
@@ -80,10 +121,12 @@ class HostMemoryPlan:
 
     @property
     def minimum_bytes(self) -> int:
+        if self.streams:
+            return self.staging_bytes + self.upcast_bytes + MIN_STREAM_PIECES * self.piece_bytes
         return minimum_bytes(self.buffer_bytes, self.staging_bytes, self.upcast_bytes)
 
     def as_dict(self) -> dict:
-        return {"budget_bytes": self.budget_bytes, "total_bytes": self.total_bytes,
+        return {"piece_bytes": self.piece_bytes, "stream_pieces": self.stream_pieces,"budget_bytes": self.budget_bytes, "total_bytes": self.total_bytes,
                 "minimum_bytes": self.minimum_bytes, "staging_bytes": self.staging_bytes,
                 "upcast_bytes": self.upcast_bytes, "buffer_bytes": self.buffer_bytes,
                 "working_buffers": self.working_buffers, "cache_buffers": self.cache_buffers,
@@ -94,6 +137,13 @@ class HostMemoryPlan:
         gb = 1e9
         source = f"{FLAG} {self.budget_bytes / gb:.3g} GB" if self.given else \
             f"no {FLAG}: the configured pipeline, {self.budget_bytes / gb:.3g} GB"
+        if self.streams:
+            return (f"host memory per rank ({source}): {self.total_bytes / gb:.3g} GB used = staging "
+                    f"{self.staging_bytes / gb:.3g} GB + a stream of {self.stream_pieces} pieces of "
+                    f"{self.piece_bytes / 2**20:.3g} MiB + {self.cache_buffers} cache buffers of "
+                    f"{self.buffer_bytes / gb:.3g} GB" + (f" + fp32 gradient upcast {self.upcast_bytes / gb:.3g} GB"
+                                                          if self.upcast_bytes else "")
+                    + f"; minimum {self.minimum_bytes / gb:.3g} GB")
         text = (f"host memory per rank ({source}): {self.total_bytes / gb:.3g} GB used = staging "
                 f"{self.staging_bytes / gb:.3g} GB + {self.working_buffers} working buffers "
                 f"(prefetch {self.prefetch_depth}, flush {self.flush_depth}) + {self.cache_buffers} cache buffers, "
@@ -110,6 +160,23 @@ class HostMemoryPlan:
 def minimum_bytes(buffer_bytes: int, staging: int = 0, upcast: int = 0) -> int:
     """The least budget the pipeline runs in: staging, upcast and two subgroup buffers."""
     return staging + upcast + MIN_WORKING_BUFFERS * buffer_bytes
+
+
+def _plan_pieces(config, budget: int, buffer_bytes: int, staging: int, upcast: int, piece_params: int,
+                 requested) -> HostMemoryPlan:
+    """The pool in pieces: a stream of up to ``STREAM_PIECES`` pieces, whole subgroups of cache beside it."""
+    piece = piece_buffer_bytes(piece_params)
+    least = staging + upcast + MIN_STREAM_PIECES * piece
+    if budget < least:
+        raise ConfigError(
+            f"{FLAG}: {budget} bytes per rank is below the minimum pipeline, {least} bytes (staging {staging} + "
+            f"{MIN_STREAM_PIECES} pieces of {piece}" + (f" + fp32 upcast {upcast}" if upcast else "")
+            + "); give more host memory")
+    room = budget - staging - upcast
+    cache = max(0, (room - STREAM_PIECES * piece) // buffer_bytes) if config.cache_order else 0
+    pieces = (room - cache * buffer_bytes) // piece
+    return HostMemoryPlan(budget, buffer_bytes, staging, upcast, 0, 1, cache, True, requested,
+                          piece, pieces, piece_params)
 
 
 def plan_host_memory(config, buffer_bytes: int, staging: int = 0) -> HostMemoryPlan:
@@ -131,6 +198,10 @@ def plan_host_memory(config, buffer_bytes: int, staging: int = 0) -> HostMemoryP
         cache = config.host_cache_bytes // buffer_bytes if config.cache_order else 0
         total = staging + upcast + (prefetch + flush + 1 + cache) * buffer_bytes
         return HostMemoryPlan(total, buffer_bytes, staging, upcast, prefetch, flush, cache, False, requested)
+    piece_params = stream_piece_params(config.block_bytes)
+    if getattr(config, "host_pool_pieces", True) and \
+            MIN_WORKING_BUFFERS * buffer_bytes > MIN_STREAM_PIECES * piece_buffer_bytes(piece_params):
+        return _plan_pieces(config, budget, buffer_bytes, staging, upcast, piece_params, requested)
     least = minimum_bytes(buffer_bytes, staging, upcast)
     if budget < least:
         raise ConfigError(

@@ -17,6 +17,7 @@ import torch
 from megatron_mlp.optim.subgroups import Subgroup
 
 logger = logging.getLogger("megatron_mlp.optim.offload_adam")
+STATE_ORDER = ("param", "exp_avg", "exp_avg_sq")
 
 
 @dataclass
@@ -95,6 +96,38 @@ class AdamKernel:
                     "--mlp-offload-adam-threads" if config.adam_threads else
                     f"this process's CPU affinity shared by {ranks_per_node} rank(s) of the node")
 
+    def run_piece(self, sg: Subgroup, arrays, lo: int, hi: int, inputs: StepInputs, stats, checksum: bool,
+                  check: bool, num_threads: int, trace=None, k: int = 0):
+        """The fused AdamW step on elements ``[lo, hi)`` of ``sg``, whose param, exp_avg and
+        exp_avg_sq are ``arrays`` (fp32 views of ``hi - lo`` elements, wherever they live: a subgroup
+        buffer or a piece buffer). Returns ``(before, after)``: the per-array crc32c of the state as
+        read (``check``) and as updated (``checksum``), else None."""
+        from megatron_mlp.optim.fused_adam import fused_adam_step
+        hyper = inputs.hyper[sg.group]
+        grad = inputs.grads[sg.start + lo:sg.start + hi]
+        if not self.deferred_upcast and grad.dtype != torch.float32:
+            # The ablation: what stock offloading does -- a separate fp32 copy of the gradient.
+            t0 = time.perf_counter()
+            if self.upcast_buffer is None:
+                self.upcast_buffer = torch.empty(self.subgroup_params, dtype=torch.float32)
+            upcast = self.upcast_buffer[:hi - lo]
+            upcast.copy_(grad)
+            grad = upcast
+            stats.upcast_s += time.perf_counter() - t0
+        out = inputs.params_out[sg.start + lo:sg.start + hi] if inputs.params_out is not None else None
+        t_kernel = time.perf_counter()
+        crcs = fused_adam_step(arrays[0], arrays[1], arrays[2], grad, out,
+                               lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
+                               weight_decay=hyper["weight_decay"], step=hyper["step"],
+                               inv_loss_scale=float(inputs.inv_loss_scale), clip_coef=float(inputs.clip_coef),
+                               checksums=checksum, num_threads=num_threads, input_checksums=check)
+        if trace is not None:
+            trace.span("kernel", "adam", t_kernel, time.perf_counter(), subgroup=sg.index, piece=k,
+                       elements=hi - lo, threads=num_threads)
+        if check:
+            return crcs
+        return None, crcs
+
     def update(self, job: KernelJob, inputs: StepInputs, stats) -> KernelResult:
         """The fused AdamW step on ``job.sg`` in ``job.buf``.
 
@@ -104,8 +137,7 @@ class AdamKernel:
                 subgroup is done or anything is written back.
         """
         from megatron_mlp.optim.checksum import crc32c_combine, region_crc32c
-        from megatron_mlp.optim.fused_adam import fused_adam_step
-        sg, buf, hyper = job.sg, job.buf, inputs.hyper[job.sg.group]
+        sg, buf = job.sg, job.buf
         t_start = time.perf_counter()
         waited = 0.0
         trace = inputs.trace if inputs.trace is not None and inputs.trace.active else None
@@ -115,17 +147,6 @@ class AdamKernel:
             if trace is not None and waited > 1e-5:   # a slice already on the host is no wait
                 trace.span("kernel", "wait for gradient", t_start, t_start + waited, subgroup=sg.index)
         views = state_views(sg, buf)
-        grad = inputs.grads[sg.start:sg.end]
-        if not self.deferred_upcast and grad.dtype != torch.float32:
-            # The ablation: what stock offloading does -- a separate fp32 copy of the gradient.
-            t0 = time.perf_counter()
-            if self.upcast_buffer is None:
-                self.upcast_buffer = torch.empty(self.subgroup_params, dtype=torch.float32)
-            upcast = self.upcast_buffer[:sg.numel]
-            upcast.copy_(grad)
-            grad = upcast
-            stats.upcast_s += time.perf_counter() - t0
-        out = inputs.params_out[sg.start:sg.end] if inputs.params_out is not None else None
         check = job.checks_read
         before = after = (0, 0, 0)
         for k, (lo, hi) in enumerate(job.pieces or ((0, sg.numel),)):
@@ -140,19 +161,9 @@ class AdamKernel:
                 if trace is not None and t1 - t0 > 1e-5:
                     trace.span("kernel", "wait for read", t0, t1, subgroup=sg.index, piece=k)
             num_threads = job.threads() if callable(job.threads) else job.threads
-            t_kernel = time.perf_counter()
-            crcs = fused_adam_step(views["param"][lo:hi], views["exp_avg"][lo:hi], views["exp_avg_sq"][lo:hi],
-                                   grad[lo:hi], out[lo:hi] if out is not None else None,
-                                   lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
-                                   weight_decay=hyper["weight_decay"], step=hyper["step"],
-                                   inv_loss_scale=float(inputs.inv_loss_scale), clip_coef=float(inputs.clip_coef),
-                                   checksums=job.checksum, num_threads=num_threads,
-                                   input_checksums=check)
-            if trace is not None:
-                trace.span("kernel", "adam", t_kernel, time.perf_counter(), subgroup=sg.index, piece=k,
-                           elements=hi - lo, threads=num_threads)
+            piece_before, crcs = self.run_piece(sg, [views[name][lo:hi] for name in STATE_ORDER], lo, hi, inputs,
+                                                stats, job.checksum, check, num_threads, trace, k)
             if check:
-                piece_before, crcs = crcs
                 before = tuple(crc32c_combine(a, b, (hi - lo) * 4) for a, b in zip(before, piece_before))
             if job.checksum:
                 after = tuple(crc32c_combine(a, b, (hi - lo) * 4) for a, b in zip(after, crcs))

@@ -39,7 +39,9 @@ class Residency:
         self.host_memory = host_memory
         self.cache_slots = host_memory.cache_buffers
         self.working_buffers = host_memory.working_buffers
-        self.pool = HostBufferPool(alloc, host_memory.buffer_bytes, self.cache_slots + self.working_buffers)
+        # The pool's limit in bytes: whole buffers (cache + working), and with the pool in pieces
+        # the stream's pieces beside the cache (host_memory.HostMemoryPlan.pool_bytes).
+        self.pool = HostBufferPool(alloc, host_memory.buffer_bytes, limit_bytes=host_memory.pool_bytes)
         self.uses_warm_buffers = uses_warm_buffers
         # Subgroups a step keeps in host memory for the next: the cache's, and with the working
         # buffers as cache their slots too -- the whole pool.

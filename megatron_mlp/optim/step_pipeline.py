@@ -11,6 +11,10 @@ leaves piece by piece right behind its kernel (``TierStore.flush_streamed``); an
 subgroup to be read is updated piece by piece as its pieces land (``TierStore.fetch_streamed``),
 its read check joined from the pieces'. The storage then works from the step's first
 milliseconds to its last instead of waiting for a whole kernel at each end.
+
+With the pool in pieces (``HostMemoryPlan.streams``) only the subgroups the step finds in host
+memory or keeps there use whole buffers; every other one streams through piece buffers
+(``PieceStream``), its reads running ahead on every tier within the budget (``_run_stream``).
 """
 from __future__ import annotations
 
@@ -18,10 +22,11 @@ import errno
 import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatron_mlp.errors import IntegrityError
 from megatron_mlp.optim.kernel_call import KernelJob, StepInputs
+from megatron_mlp.optim.piece_stream import PieceStream
 from megatron_mlp.optim.subgroups import Subgroup
 
 
@@ -37,7 +42,8 @@ class Fetch:
 
 @dataclass
 class Flush:
-    """A write-back of ``sg`` from ``buffer`` to ``store``; ``error`` once it failed."""
+    """A write-back of ``sg`` from ``buffer`` to ``store`` (None: from piece buffers, see
+    ``PieceStream``); ``error`` once it failed."""
 
     sg: Subgroup | None
     store: object
@@ -69,6 +75,13 @@ class StepPipeline:
         # Subgroups still to fetch, in order (cached ones need no fetch).
         self.to_fetch = [i for i in order if i not in self.residency]
         self.streaming: list = []   # the fetch the kernel is following piece by piece, if any
+        self.stream = None          # the pool in pieces: the subgroups streamed through it
+        self.recompute: list[Flush] = []   # streamed write-backs that failed (see PieceStream)
+        if self.host_memory.streams:
+            streamed = [i for i in self.to_fetch if i not in keep]
+            self.to_fetch = [i for i in self.to_fetch if i in keep]
+            self.stream = PieceStream(self.residency.pool, self.host_memory, self.tiers,
+                                      [self.plan[i] for i in streamed], self.trace)
 
     def run(self) -> list[Flush]:
         """Update every subgroup; returns the write-backs that failed (their state stays resident).
@@ -78,6 +91,8 @@ class StepPipeline:
         # Fetches in flight at once. Completed fetches waiting for the kernel do not count: the pool
         # (cache + prefetch + flush + 1 buffers) bounds the memory, and letting each tier's lane
         # run ahead as far as the budget allows keeps every tier busy.
+        if self.stream is not None:
+            return self._run_stream()
         depth = self.host_memory.prefetch_depth + 1
         try:
             while self.remaining:
@@ -109,6 +124,69 @@ class StepPipeline:
             self._drain()
         return self.failed_flushes
 
+    def _run_stream(self) -> list[Flush]:
+        """The step with the pool in pieces: whole subgroups (found in host memory, or kept) as in
+        ``run``, one fetch ahead; the rest piece by piece, the earliest landed piece first."""
+        stream = self.stream
+        try:
+            while self.remaining:
+                while self.to_fetch and self._in_flight() < 1:
+                    buf = self.residency.acquire()
+                    if buf is None:
+                        break
+                    self._start_fetch(self.to_fetch.pop(0), buf)
+                stream.pump()
+                self._reap(block=False)
+                pick = self.first_ready()
+                if pick is not None:
+                    self._update(pick, None)
+                    continue
+                sub = stream.ready()
+                if sub is not None:
+                    done = stream.compute(sub, self.kernel, self.inputs, self.stats, self._kernel_threads)
+                    if done is not None:
+                        self.remaining.remove(sub.sg.index)
+                        self.flushing[done] = Flush(sub.sg, sub.store, None)
+                        if self.inputs.on_subgroup_done is not None:
+                            self.inputs.on_subgroup_done(sub.sg.start, sub.sg.end)
+                    continue
+                t0 = time.perf_counter()
+                waitables = stream.waitables() + [f.future for f in self.fetching.values()] + list(self.flushing)
+                wait_futures(waitables, timeout=0.01, return_when=FIRST_COMPLETED)
+                self.stats.wait_s += time.perf_counter() - t0
+            while self.flushing:
+                self._reap(block=True)
+            for flush in self.recompute:
+                self._recompute(flush)
+        finally:
+            self._drain()
+        return self.failed_flushes
+
+    def _recompute(self, flush: Flush) -> None:
+        """A streamed write-back failed: its record still names the old slot, and the updated
+        pieces are gone from host memory. Update the subgroup again from the old slot with the
+        same gradient (bit-identical: the update is elementwise) into a whole buffer and keep it
+        in host memory, the only copy of its new state, as a failed whole-region write-back does.
+        ``params_out`` already holds the result.
+
+        Raises:
+            the read's error: the old slot cannot be read either (the step is partly applied).
+        """
+        sg, store, residency = flush.sg, flush.store, self.residency
+        buf = residency.acquire() or residency.acquire(force=True)
+        try:
+            store.read_now(sg, buf)
+        except BaseException as e:
+            if getattr(e, "errno", None) == errno.ETIMEDOUT:
+                residency.abandon(buf)
+            else:
+                residency.release(buf)
+            raise
+        inputs = replace(self.inputs, params_out=None, on_subgroup_done=None, grads_ready=None, trace=None)
+        self.kernel.update(KernelJob(sg, buf, threads=self._kernel_threads), inputs, self.stats)
+        residency.hold(sg.index, buf)
+        flush.buffer = buf
+
     def _update(self, pick: int, landed) -> None:
         stats, residency = self.stats, self.residency
         self.remaining.remove(pick)
@@ -124,7 +202,8 @@ class StepPipeline:
             else:
                 stats.cache_hits += 1
                 store.stats.add(cache_hits=1)
-            if pick not in self.keep and len(self.pieces[pick]) > 1 and not self._write_lane_busy(store):
+            if pick not in self.keep and len(self.pieces[pick]) > 1 and (
+                    self.stream is not None or not self._write_lane_busy(store)):
                 # Its tier has nothing to do until this kernel ends (at a step's start the
                 # pool is full, so no read can start before a write-back frees a buffer):
                 # write each piece back as soon as the kernel has updated it. Only a
@@ -201,6 +280,8 @@ class StepPipeline:
 
     def _drain(self) -> None:
         # Never leave I/O running against buffers we are about to reuse.
+        if self.stream is not None:
+            self.stream.drain()
         for fetch in self.fetching.values():
             try:
                 fetch.future.result()
@@ -216,7 +297,8 @@ class StepPipeline:
 
     def _io_busy(self) -> bool:
         return any(not f.future.done() for f in self.fetching.values()) \
-            or any(not f.done() for f in self.flushing) or any(not f.done() for f in self.streaming)
+            or any(not f.done() for f in self.flushing) or any(not f.done() for f in self.streaming) \
+            or (self.stream is not None and self.stream.busy())
 
     def _kernel_threads(self) -> int:
         # While a tier moves data the kernel leaves a core to the I/O path (threads_beside_io).
@@ -305,10 +387,15 @@ class StepPipeline:
             flush = self.flushing.pop(fut)
             exc = fut.exception()
             if exc is None:
-                self.residency.release(flush.buffer)
+                if flush.buffer is not None:
+                    self.residency.release(flush.buffer)
             else:
                 # The new state exists only in this buffer now: keep it (retried by the next step).
-                self.residency.hold(flush.sg.index, flush.buffer)
+                # A streamed one has none: it is recomputed at the step's end (_recompute).
+                if flush.buffer is None:
+                    self.recompute.append(flush)
+                else:
+                    self.residency.hold(flush.sg.index, flush.buffer)
                 flush.store.stats.add(flush_errors=1)
                 flush.error = exc
                 self.failed_flushes.append(flush)

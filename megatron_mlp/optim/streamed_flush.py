@@ -1,5 +1,6 @@
 """A write-back that the kernel feeds piece by piece: the first write-back of a step starts
-after one piece of its kernel, not the whole one (``TierStore.flush_streamed``)."""
+after one piece of its kernel, not the whole one (``TierStore.flush_streamed``); a subgroup streamed
+through the pool's pieces (``optim/piece_stream.py``) is written back from each piece's own buffer."""
 from __future__ import annotations
 
 import time
@@ -28,11 +29,14 @@ class StreamedFlush:
         self.error: BaseException | None = None
         self.handed_in = 0
 
-    def write_piece(self, k: int) -> None:
+    def write_piece(self, k: int, source=None, done=None) -> None:
+        """Piece ``k`` is final. ``source``: ``(buffer, stride)`` when the piece is in a buffer of its
+        own (its three arrays ``stride`` bytes apart) rather than in ``region``; ``done(error)`` runs
+        on the write lane once the piece's requests are over (None, or the error that stopped them)."""
         if k != self.handed_in:
             raise ValueError(f"StreamedFlush: piece {k} handed in after {self.handed_in} of {len(self.pieces)}")
         self.handed_in += 1
-        self.store._write_lane.submit(self._write, k)
+        self.store._write_lane.submit(self._write, k, source, done)
 
     def finish(self, crc: int | None) -> Future:
         if self.handed_in != len(self.pieces):
@@ -41,26 +45,38 @@ class StreamedFlush:
         self.store._write_lane.submit(self._finish, crc, done)   # the lane runs it after the pieces
         return done
 
-    def _write(self, k: int) -> None:   # on the write lane
-        if self.error is not None:
-            return
-        store, sg = self.store, self.sg
+    def _write(self, k: int, source=None, done=None) -> None:   # on the write lane
+        error = self.error
         try:
-            def write():
-                t0 = time.perf_counter()
-                store._io_pieces(lambda rel, n: store.write_engine.write(store.write_handle, self.region,
-                                                                         self.offset + rel, n, rel),
-                                 "write", self.offset, [sg.piece_ranges(*self.pieces[k])])
-                t1 = time.perf_counter()
-                store.stats.add(flush_s=t1 - t0)
-                if store.trace is not None:
-                    lo, hi = self.pieces[k]
-                    store.trace.span(store._lane("write"), "write-back", t0, t1, subgroup=sg.index, piece=k,
-                                     bytes=sum(n for _, n in sg.piece_ranges(lo, hi)), slot=self.slot)
-
-            store._with_token(store.write_token, write)
+            if error is None:
+                self._write_now(k, source)
         except BaseException as e:  # noqa: BLE001 -- delivered by finish()
-            self.error = e
+            self.error = error = e
+        if done is not None:
+            done(error)
+
+    def _write_now(self, k: int, source) -> None:
+        store, sg = self.store, self.sg
+        ranges = sg.piece_ranges(*self.pieces[k])
+        if source is None:
+            buffer, at = self.region, {rel: rel for rel, _ in ranges}
+        else:
+            buffer, stride = source
+            at = {rel: a * stride for a, (rel, _) in enumerate(ranges)}
+
+        def write():
+            t0 = time.perf_counter()
+            store._io_pieces(lambda rel, n: store.write_engine.write(store.write_handle, buffer,
+                                                                     self.offset + rel, n, at[rel]),
+                             "write", self.offset, [ranges])
+            t1 = time.perf_counter()
+            store.stats.add(flush_s=t1 - t0)
+            if store.trace is not None:
+                lo, hi = self.pieces[k]
+                store.trace.span(store._lane("write"), "write-back", t0, t1, subgroup=sg.index, piece=k,
+                                 bytes=sum(n for _, n in sg.piece_ranges(lo, hi)), slot=self.slot)
+
+        store._with_token(store.write_token, write)
 
     def _finish(self, crc: int | None, done: Future) -> None:   # on the write lane, after every piece
         store, rec = self.store, self.store.records[self.sg.index]

@@ -147,16 +147,21 @@ def test_plan_names_the_cache_flag_when_the_calibration_cache_is_under_a_file(ca
 
 
 def test_host_memory_is_spent_as_the_optimizer_spends_it_when_given(capsys, tmp_path):
-    # 1B params on one rank: 4 GB of bf16 staging, then 1.2 GB subgroup buffers: 5 working, 2 cache.
+    # 1B params on one rank: 4 GB of bf16 staging, then the pool in pieces: a stream of 16 pieces
+    # (24 MiB: one 8 MiB I/O block of each array) and 1.2 GB subgroup buffers of cache beside it.
+    from megatron_mlp.optim.host_memory import STREAM_PIECES, piece_buffer_bytes, stream_piece_params
+    piece = piece_buffer_bytes(stream_piece_params(8 << 20))
     argv = ["--paths", f"{tmp_path}:bw=1GB/s,rw=shared", "--num-params", "1B", "--subgroup-params", "100M",
             "--ranks-per-node", "1", "--calibration", "off"]
-    rc, out, err = run(capsys, *argv, "--host-memory", str(4 * 10**9 + 7 * REGION + 5), "--json")
+    rc, out, err = run(capsys, *argv, "--host-memory", str(4 * 10**9 + 6 * REGION + STREAM_PIECES * piece + 5),
+                       "--json")
     assert rc == 0, err
     d = json.loads(out)
     m = d["config"]["host_memory"]
-    assert m["staging_bytes"] == 4 * 10**9 and (m["working_buffers"], m["cache_buffers"]) == (5, 2)
-    assert d["config"]["working_buffers"] == 5 and d["config"]["host_cache_bytes"] == 2 * REGION
+    assert m["staging_bytes"] == 4 * 10**9 and (m["working_buffers"], m["cache_buffers"]) == (0, 6)
+    assert m["stream_pieces"] == STREAM_PIECES and m["piece_bytes"] == piece
+    assert d["config"]["working_buffers"] == 0 and d["config"]["host_cache_bytes"] == 6 * REGION
     tier = d["placement"]["tiers"][0]
-    assert tier["read_bytes"] == tier["write_bytes"] == 3 * REGION, "the same as a cache of 2 buffers + 5 working ones"
-    rc, _, err = run(capsys, *argv, "--host-memory", "5GB")
+    assert tier["read_bytes"] == tier["write_bytes"] == 4 * REGION, "the same as a cache of 6 buffers"
+    rc, _, err = run(capsys, *argv, "--host-memory", str(4 * 10**9 + 3 * piece))
     assert rc == 2 and "--mlp-offload-host-memory" in err and "minimum pipeline" in err

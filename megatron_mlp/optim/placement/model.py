@@ -310,3 +310,36 @@ def _cache_sets(sizes, moves, host_cache_bytes, cached_subgroups, cache_model, w
                               f"working buffers): the cached subgroups need {used} bytes, the cache has "
                               f"{host_cache_bytes}")
     return [[(0, 0) if i in cached else m for i, m in enumerate(moves)]], cached, sum(sizes[i] for i in cached)
+
+
+def update_seconds(placement: Placement, memory=None, kernel_seconds: float = 0.0) -> float:
+    """The predicted update time of one step: the one function ``plan``, ``bench update`` and the
+    optimizer's log use. It knows the host pool (``memory``, a ``HostMemoryPlan``):
+
+    * **The pool in pieces** (``memory.streams``) or whole-subgroup buffers deep enough to fetch
+      ahead (prefetch >= 1): the tiers' I/O (``placement.total_seconds``: reads and writes added on a
+      shared limit, the alternating order's cache hits) and the kernel overlap; the step is the
+      slower of the two plus the pipeline's ends: the first unit read before the first kernel and
+      the last written after the last one (a piece, or a whole subgroup), on the slowest tier.
+    * **Two whole-subgroup buffers** (no prefetch): every read waits for a write-back to free a
+      buffer, on whatever tier that goes, so the tiers do not overlap: the sum of their times,
+      plus the kernel, which waits for each read.
+    * With the working buffers carrying subgroups, ``placement.total_seconds`` already comes from
+      the event simulation of a full pool.
+
+    ``kernel_seconds``: the step's kernels alone (0: I/O only).
+    """
+    io = placement.total_seconds
+    if memory is None:
+        return max(io, kernel_seconds)
+    if not memory.streams and memory.prefetch_depth == 0 and not placement.warm_subgroups:
+        return sum(placement.tier_seconds) + kernel_seconds
+    unit = memory.piece_bytes if memory.streams else memory.buffer_bytes
+    moving = [j for j, t in enumerate(placement.tier_seconds) if t > 0]
+    if not moving:
+        return kernel_seconds
+    ranks = placement.ranks_per_node
+    ends = max(unit * (t.ranks_sharing or ranks) / t.read_bytes_per_s +
+               unit * (t.ranks_sharing or ranks) / t.write_bytes_per_s
+               for t in (placement.tiers[j] for j in moving))
+    return max(io, kernel_seconds) + ends

@@ -37,6 +37,7 @@ import sys
 from megatron_mlp.config import MLPOffloadConfig, check_subgroup_size
 from megatron_mlp.errors import ConfigError, TierCapacityError
 from megatron_mlp.optim.host_memory import MIN_WORKING_BUFFERS
+from megatron_mlp.optim.placement.model import update_seconds
 from megatron_mlp.optim.placement.report import format_shared_load
 from megatron_mlp.optim.placement.node import place_node
 from megatron_mlp.optim.placement.tiers import resolve_tiers
@@ -188,6 +189,8 @@ def make_plan(args) -> dict:
         "warnings": warnings,
         "notes": notes + list(placement.notes),
         "placement": placement,
+        # The pool-aware time of one update's I/O (kernel not included: it runs on the compute node).
+        "predicted_update_seconds": update_seconds(placement, traffic.memory),
     }
 
 
@@ -270,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {w}")
     print()
     print(placement.format_table())
+    print(f"predicted update per step, the host pool's pipeline included (I/O-bound, kernel not counted): "
+          f"{plan['predicted_update_seconds']:.3g} s")
     if cfg["nodes"] > 1:
         print(f"nodes: {cfg['nodes']} x {cfg['ranks_per_node']} ranks; state of the whole job: "
               f"{human_bytes(cfg['state_bytes_per_rank'] * cfg['ranks_per_node'] * cfg['nodes'])}")

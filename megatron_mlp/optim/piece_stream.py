@@ -1,0 +1,267 @@
+"""Subgroups streamed through the host pool's pieces: read, updated and written back piece by piece.
+
+With the pool in pieces (``HostMemoryPlan.streams``), a subgroup that the step neither finds in host
+memory nor keeps there never holds a whole buffer. Its pieces (``Subgroup.pieces`` of
+``HostMemoryPlan.piece_params``: elements ``[lo, hi)`` of param, exp_avg and exp_avg_sq, three
+aligned byte ranges of its region) are read each into a piece buffer of its own, laid out
+``[param | exp_avg | exp_avg_sq]`` one range apart; the fused kernel updates a piece as soon as it
+has landed, and the piece is written back to the subgroup's free slot right behind the kernel
+(``StreamedFlush``), its buffer handed to the next read when the write is done.
+
+Reads run ahead on every tier at once: each tier has up to ``cap`` pieces read but not yet updated
+(the stream's pieces shared among the tiers with work), issued in the step's order within the tier,
+so the earliest piece of a tier is always the next of its subgroup and the stream cannot deadlock.
+The kernel takes the earliest subgroup whose next piece has landed, so a slow tier holds up only
+its own subgroups.
+
+Durability is the whole-region discipline, piece by piece: the record switches to the new slot
+only when every piece is written (``StreamedFlush.finish``); the read check is the region's
+crc32c joined from the kernel's per-array checksums of each piece and the padding of the last, and
+is verified before ``finish``. A write-back that fails leaves the old slot the good copy; the
+updated pieces are gone from host memory, so the step recomputes that subgroup from the old slot
+and the same gradient (the update is elementwise and deterministic: bit-identical) and keeps it in
+host memory, as a failed whole-region write-back keeps its buffer (``StepPipeline._recompute``).
+"""
+from __future__ import annotations
+
+import errno
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_mlp.optim.streamed_flush import StreamedFlush
+from megatron_mlp.optim.subgroups import FP32_BYTES, Subgroup
+
+
+@dataclass
+class StreamedSubgroup:
+    """One subgroup in the stream: which pieces are read (``issued``), updated (``computed``), and
+    the buffer of each piece while the stream holds it."""
+
+    sg: Subgroup
+    store: object
+    pos: int
+    pieces: tuple
+    landed: list
+    buffers: list
+    snapshot: tuple | None = None
+    issued: int = 0
+    computed: int = 0
+    before: tuple = (0, 0, 0)
+    after: tuple = (0, 0, 0)
+    flush: StreamedFlush | None = None
+    read_error: list = field(default_factory=list)
+
+    @property
+    def next_landed(self) -> Future | None:
+        return self.landed[self.computed] if self.computed < self.issued else None
+
+
+class PieceStream:
+    """The streamed subgroups of one step and the pieces they hold.
+
+    Args:
+        pool: the ``HostBufferPool`` the pieces come from (shared with the cache's whole buffers).
+        memory: the ``HostMemoryPlan`` (``piece_bytes``, ``stream_pieces``, ``piece_params``).
+        tiers: the optimizer's tier map (``of(index)`` -> ``TierStore``).
+        subgroups: the subgroups to stream, in the step's order.
+        trace: a ``StepTrace`` or None.
+    """
+
+    def __init__(self, pool, memory, tiers, subgroups, trace=None):
+        self.pool, self.piece_bytes, self.trace = pool, memory.piece_bytes, trace
+        self.max_pieces = memory.stream_pieces
+        self.subs: list[StreamedSubgroup] = []
+        self.queues: dict[int, list[StreamedSubgroup]] = {}
+        for pos, sg in enumerate(subgroups):
+            pieces = sg.pieces(memory.piece_params)
+            sub = StreamedSubgroup(sg, tiers.of(sg.index), pos, pieces, [Future() for _ in pieces], [None] * len(pieces))
+            self.subs.append(sub)
+            self.queues.setdefault(id(sub.store), []).append(sub)
+        self.cap = max(1, (self.max_pieces - 1) // max(1, len(self.queues)))
+        self.reading = {t: 0 for t in self.queues}
+        self.held = 0           # piece buffers the stream holds (reading, landed, being written)
+        self.outstanding = 0    # reads and writes not over
+        self.stopped = False
+        self._cond = threading.Condition()
+
+    # -- reads ------------------------------------------------------------------------------------
+
+    def pump(self) -> None:
+        """Start the reads the budget allows: per tier up to ``cap`` pieces ahead, in order."""
+        with self._cond:
+            progress = True
+            while progress and not self.stopped:
+                progress = False
+                for t, queue in sorted(self.queues.items(), key=lambda kv: kv[1][0].pos if kv[1] else 1 << 60):
+                    if not queue or self.reading[t] >= self.cap or self.held >= self.max_pieces:
+                        continue
+                    buf = self.pool.try_acquire(nbytes=self.piece_bytes)
+                    if buf is None:
+                        return
+                    sub = queue[0]
+                    self._issue(sub, buf, t)
+                    if sub.issued == len(sub.pieces):
+                        queue.pop(0)
+                    progress = True
+
+    def _issue(self, sub: StreamedSubgroup, buf, t: int) -> None:
+        k = sub.issued
+        sub.issued += 1
+        sub.buffers[k] = buf
+        self.reading[t] += 1
+        self.held += 1
+        self.outstanding += 1
+        store, sg = sub.store, sub.sg
+        if k == 0:
+            rec = store.records[sg.index]
+            if rec.current is None:
+                raise AssertionError(f"subgroup {sg.index} was never written to {store.file_path}")
+            sub.snapshot = (rec.current, rec.offsets[rec.current], rec.crc, rec.generation)
+        offset = sub.snapshot[1]
+        ranges = sg.piece_ranges(*sub.pieces[k])
+        at = {rel: a * ranges[0][1] for a, (rel, _) in enumerate(ranges)}
+        region = buf.torch(torch.uint8)
+
+        def read():
+            t0 = time.perf_counter()
+            store._io_pieces(lambda rel, n: store.engine.read(store.handle, region, offset + rel, n, at[rel]),
+                             "read", offset, [ranges])
+            t1 = time.perf_counter()
+            store.stats.add(fetch_s=t1 - t0, bytes_read=sum(n for _, n in ranges), fetches=int(k == 0))
+            if self.trace is not None:
+                self.trace.span(store._lane("read"), "fetch", t0, t1, subgroup=sg.index, piece=k,
+                                bytes=sum(n for _, n in ranges))
+
+        def job():
+            error = None
+            try:
+                store._with_token(store.token, read)
+            except BaseException as e:  # noqa: BLE001 -- delivered through the piece's Future
+                error = e
+            with self._cond:
+                self.outstanding -= 1
+                if error is not None:
+                    self.stopped = True   # the step stops at this piece: read nothing more
+                self._cond.notify_all()
+            if error is None:
+                sub.landed[k].set_result(None)
+            else:
+                sub.landed[k].set_exception(error)
+
+        store._read_lane.submit(job)
+
+    # -- the kernel -------------------------------------------------------------------------------
+
+    def ready(self) -> StreamedSubgroup | None:
+        """The earliest subgroup whose next piece has landed (or failed: the kernel raises it)."""
+        for sub in self.subs:
+            f = sub.next_landed
+            if f is not None and f.done():
+                return sub
+        return None
+
+    def waitables(self) -> list[Future]:
+        return [f for f in (sub.next_landed for sub in self.subs) if f is not None]
+
+    def compute(self, sub: StreamedSubgroup, kernel, inputs, stats, threads) -> Future | None:
+        """Update the next piece of ``sub`` (landed) and hand it to its write-back. Returns the
+        write-back's Future once the subgroup is complete (read verified), else None.
+
+        Raises:
+            the piece's read error; ``IntegrityError`` when the region read does not match its record.
+        """
+        from megatron_mlp.optim.checksum import crc32c_combine
+        k, sg, store = sub.computed, sub.sg, sub.store
+        sub.landed[k].result()
+        trace = inputs.trace if inputs.trace is not None and inputs.trace.active else None
+        t0 = time.perf_counter()
+        if k == 0:
+            if inputs.grads_ready is not None:
+                inputs.grads_ready(sg.start, sg.end)
+            sub.flush = StreamedFlush(store, sg, None, sub.pieces)
+            stats.streamed_reads += 1
+        t1 = time.perf_counter()
+        lo, hi = sub.pieces[k]
+        buf = sub.buffers[k]
+        stride = sg.piece_ranges(lo, hi)[0][1]
+        f = buf.torch(torch.float32)
+        arrays = [f[a * stride // FP32_BYTES:a * stride // FP32_BYTES + hi - lo] for a in range(3)]
+        check = store.checksum and sub.snapshot[2] is not None
+        before, after = kernel.run_piece(sg, arrays, lo, hi, inputs, stats, store.checksum, check,
+                                         threads(), trace, k)
+        if check:
+            sub.before = tuple(crc32c_combine(a, b, (hi - lo) * FP32_BYTES) for a, b in zip(sub.before, before))
+        if store.checksum:
+            sub.after = tuple(crc32c_combine(a, b, (hi - lo) * FP32_BYTES) for a, b in zip(sub.after, after))
+        sub.computed += 1
+        with self._cond:
+            self.reading[id(store)] -= 1
+        last = sub.computed == len(sub.pieces)
+        crc = got = None
+        if last:
+            u8 = buf.torch(torch.uint8)
+            got = _region_crc(u8, sub.before, sg.numel, stride, hi - lo) if check else None
+            crc = _region_crc(u8, sub.after, sg.numel, stride, hi - lo) if store.checksum else None
+        stats.wait_s += t1 - t0
+        stats.compute_s += time.perf_counter() - t1
+        if got is not None:
+            # Before the last piece goes out and before finish: a corrupt read never switches the record.
+            store.verify_checksum(sg, sub.snapshot, got)
+        sub.buffers[k] = None
+        with self._cond:
+            self.outstanding += 1
+        sub.flush.write_piece(k, (buf.torch(torch.uint8), stride), lambda error: self._written(buf, error))
+        if not last:
+            return None
+        stats.subgroups += 1
+        stats.streamed_writes += 1
+        return sub.flush.finish(crc)
+
+    def _written(self, buf, error) -> None:   # on the write lane
+        if getattr(error, "errno", None) == errno.ETIMEDOUT:
+            self.pool.abandon(buf)   # the timed-out write may still read it
+        else:
+            self.pool.release(buf)
+        with self._cond:
+            self.held -= 1
+            self.outstanding -= 1
+            self._cond.notify_all()
+        self.pump()
+
+    def busy(self) -> bool:
+        return self.outstanding > 0
+
+    def drain(self) -> None:
+        """Stop reading; wait until no request uses a piece buffer; give back those still held."""
+        with self._cond:
+            self.stopped = True
+            while self.outstanding:
+                self._cond.wait()
+        for sub in self.subs:
+            for k, buf in enumerate(sub.buffers):
+                if buf is None:
+                    continue
+                sub.buffers[k] = None
+                error = sub.landed[k].exception() if sub.landed[k].done() else None
+                if getattr(error, "errno", None) == errno.ETIMEDOUT:
+                    self.pool.abandon(buf)
+                else:
+                    self.pool.release(buf)
+                self.held -= 1
+
+
+def _region_crc(last_piece, array_crcs, numel: int, stride: int, last_numel: int) -> int:
+    """The crc32c of a subgroup's region from the per-array crcs of its elements and the alignment
+    padding at the end of each array, which the last piece's buffer holds (``stride`` bytes per array)."""
+    from megatron_mlp.optim.checksum import crc32c, crc32c_combine
+    crc = 0
+    for a, array_crc in enumerate(array_crcs):
+        crc = crc32c_combine(crc, int(array_crc), numel * FP32_BYTES)
+        pad = last_piece[a * stride + last_numel * FP32_BYTES:(a + 1) * stride]
+        if pad.numel():
+            crc = crc32c(pad, seed=crc)
+    return crc

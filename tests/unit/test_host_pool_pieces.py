@@ -1,0 +1,178 @@
+"""The host pool in pieces: a budget below two subgroup buffers runs, streaming pieces, bit for bit."""
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+
+import pytest
+import torch
+
+from megatron_mlp.config import MLPOffloadConfig
+from megatron_mlp.errors import IntegrityError
+from megatron_mlp.optim.host_memory import minimum_bytes, piece_buffer_bytes, stream_piece_params
+from megatron_mlp.optim.offload_adam import OffloadAdam
+from megatron_mlp.optim.reference_adam import ReferenceAdamW
+
+SUB = 20_000
+N = 8 * SUB + 777              # a short last subgroup: its last piece carries a sliver and padding
+BLOCK = 16384                  # pieces of 4096 elements: five per subgroup
+PIECE = piece_buffer_bytes(stream_piece_params(BLOCK))
+REGION = 3 * 4 * 20480
+
+
+@pytest.fixture
+def two_tiers(disk_dir):
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as shm:
+        yield f"{disk_dir};{shm}"
+
+
+def make(paths, budget, wrap_engine=None):
+    from megatron_mlp.optim.tier_stores import default_engine_factory
+    config = MLPOffloadConfig.from_paths(paths, subgroup_params=SUB, use_tokens=False, host_memory_bytes=budget,
+                                         block_bytes=BLOCK, calibration="off")
+    factory = None
+    if wrap_engine is not None:
+        make_engine = default_engine_factory(config)
+        factory = lambda spec: wrap_engine(make_engine(spec))  # noqa: E731
+    init = torch.randn(N, generator=torch.Generator().manual_seed(0))
+    return (OffloadAdam(config, [(0, N)], [{"lr": 1e-2}], init, engine_factory=factory),
+            ReferenceAdamW([(0, N)], [{"lr": 1e-2}], init))
+
+
+def grads(step):
+    return torch.randn(N, generator=torch.Generator().manual_seed(step)).bfloat16()
+
+
+def assert_equal(opt, ref):
+    got = opt.read_range(0, N)
+    for name in ("param", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(got[name], ref.state(name)), name
+
+
+@pytest.mark.parametrize("budget", [5 * PIECE, 16 * PIECE + 3 * REGION + 100], ids=["below-two-buffers", "with-cache"])
+def test_budget_below_two_subgroup_buffers_streams_pieces_and_its_measured_peak_stays_within_it(two_tiers, budget):
+    opt, ref = make(two_tiers, budget)
+    assert opt.host_memory.streams and opt.host_memory.minimum_bytes <= budget
+    if budget < 2 * REGION:
+        assert budget < minimum_bytes(REGION), "the whole-subgroup pipeline could not run here"
+    with opt:
+        for step in range(4):
+            g = grads(step)
+            out = torch.empty(N, dtype=torch.bfloat16)
+            opt.step(g, out)
+            ref.step(g)
+            stats = opt.last_step_stats
+            assert stats["streamed_reads"] > 0
+            assert stats["peak_host_bytes"] <= budget
+            assert torch.equal(out, ref.state("param").bfloat16())
+        assert opt.pool.over_budget_bytes == 0 and opt.residency.peak_bytes <= budget
+        if opt.host_memory.cache_buffers:
+            assert opt.last_step_stats["cache_hits"] == opt.host_memory.cache_buffers
+        assert_equal(opt, ref)
+
+
+class FailWrites:
+    """A real engine whose next write request, once ``times`` is set, fails with EIO that many
+    times (its retry included)."""
+
+    def __init__(self, engine):
+        self._engine, self.times, self.offset = engine, 0, None
+
+    def write(self, f, buffer, file_offset=0, nbytes=None, buffer_offset=0):
+        if self.times and self.offset in (None, file_offset):
+            self.times -= 1
+            self.offset = file_offset
+            self._engine.inject_fault(nth=1, err=errno.EIO, op="write")
+        return self._engine.write(f, buffer, file_offset, nbytes, buffer_offset)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+def test_a_streamed_write_back_that_fails_keeps_the_old_slot_and_the_recomputed_state_in_host_memory(two_tiers):
+    """The updated pieces already left host memory: the subgroup is updated again from its old slot
+    into a whole buffer and kept there (the only copy of its new state), and the run stays bit-equal."""
+    engines = []
+
+    def wrap(engine):
+        engines.append(FailWrites(engine))
+        return engines[-1]
+
+    opt, ref = make(two_tiers, 5 * PIECE, wrap)
+    with opt:
+        g = grads(0)
+        opt.step(g)
+        ref.step(g)
+        engines[0].times = 2            # the first write-back request and its one retry
+        g = grads(1)
+        opt.step(g)
+        ref.step(g)
+        assert sum(t["flush_errors"] for t in opt.last_step_stats["tiers"]) >= 1
+        # The tier is taken out of service: the failover moves the recomputed state from host memory.
+        assert opt.last_step_stats["failover"]["failed_tiers"], opt.last_step_stats["failover"]
+        for step in range(2, 4):
+            g = grads(step)
+            opt.step(g)
+            ref.step(g)
+        assert_equal(opt, ref)
+
+
+def test_a_corrupt_streamed_piece_raises_before_the_record_switches(two_tiers):
+    opt, ref = make(two_tiers, 5 * PIECE)
+    with opt:
+        opt.step(grads(0))
+        store = opt.tiers.of(0)
+        rec = store.records[0]
+        generation = rec.generation
+        fd = os.open(store.file_path, os.O_RDWR)
+        try:
+            pos = rec.offsets[rec.current] + 4 * 4096 + 3     # inside a piece after the first
+            os.pwrite(fd, bytes([os.pread(fd, 1, pos)[0] ^ 0xFF]), pos)
+        finally:
+            os.close(fd)
+        with pytest.raises(IntegrityError, match="subgroup 0 "):
+            opt.step(grads(1))
+        assert rec.generation == generation
+        assert opt.pool.in_use == len(opt.residency.buffers), "a piece buffer was not given back"
+
+
+def _placement_and_memory(budget, subgroups=8, pieces=True):
+    from megatron_mlp.optim.placement import PlacementTier, host_memory_for, place, step_traffic
+    from megatron_mlp.optim.subgroups import SubgroupPlan
+    config = MLPOffloadConfig.from_paths("/a;/b", subgroup_params=SUB, use_tokens=False, host_memory_bytes=budget,
+                                         block_bytes=BLOCK, calibration="off", warm_buffers=False,
+                                         host_pool_pieces=pieces)
+    plan = SubgroupPlan([(0, subgroups * SUB)], SUB)
+    memory = host_memory_for(plan, config)
+    tiers = [PlacementTier("/a", 1e6, 1e6, shared_rw_limit=True), PlacementTier("/b", 1e6, 1e6, shared_rw_limit=False)]
+    return place(step_traffic(plan, config, memory), tiers, 1), memory
+
+
+def test_predicted_update_overlaps_tiers_and_kernel_when_the_pool_streams_pieces():
+    from megatron_mlp.optim.placement.model import update_seconds
+    placement, memory = _placement_and_memory(5 * PIECE)
+    assert memory.streams
+    io = placement.total_seconds
+    ends = 2 * PIECE / 1e6
+    assert update_seconds(placement, memory) == pytest.approx(io + ends)
+    assert update_seconds(placement, memory, kernel_seconds=10 * io) == pytest.approx(10 * io + ends)
+
+
+def test_predicted_update_adds_the_tiers_when_two_whole_buffers_cannot_fetch_ahead():
+    from megatron_mlp.optim.placement.model import update_seconds
+    placement, memory = _placement_and_memory(2 * REGION + 10, pieces=False)
+    assert not memory.streams and memory.prefetch_depth == 0
+    assert update_seconds(placement, memory, 1.0) == pytest.approx(sum(placement.tier_seconds) + 1.0)
+
+
+def test_pool_gives_a_free_buffer_of_one_size_back_when_another_size_needs_the_room():
+    from megatron_mlp.optim.host_pool import HostBufferPool
+    pool = HostBufferPool(bytearray, 100, limit_bytes=250)
+    whole = [pool.try_acquire(), pool.try_acquire()]
+    assert pool.try_acquire(nbytes=60) is None, "200 + 60 is over the limit"
+    pool.release(whole.pop())
+    pieces = [pool.try_acquire(nbytes=60) for _ in range(2)]
+    assert all(p is not None for p in pieces) and pool.allocated_bytes == 100 + 120 <= pool.limit_bytes
+    assert pool.try_acquire() is None
+    assert pool.peak_bytes <= 250 and pool.over_budget_bytes == 0
