@@ -136,35 +136,58 @@ def _snapshot_one(path: str, job_id: str | None, rank: int | None) -> PathRoom:
     return PathRoom(room.free_bytes + back, room.block_bytes, room.fs_type)
 
 
+# Directories are listed through descriptors that never follow a final symlink.
+_LIST_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def _project_entries(path: str) -> dict[str, tuple[int, tuple[str, ...]]]:
     """Name -> (allocated bytes, names inside) of every scratch directory (with its files) and
-    transient file in ``path`` that belongs to this user."""
+    transient file in ``path`` that belongs to this user.
+
+    Listed through descriptors opened with O_NOFOLLOW, never by path: a name swapped for a symlink
+    by another user between two calls is not followed into another directory.
+    """
     out: dict[str, tuple[int, tuple[str, ...]]] = {}
     try:
-        names = os.listdir(path)
+        dfd = os.open(path, _LIST_FLAGS)
     except OSError:
         return out
-    uid = os.geteuid()
-    for name in names:
-        if not name.startswith((SCRATCH_PREFIX,) + TRANSIENT_PREFIXES):
-            continue
-        full = os.path.join(path, name)
-        try:
-            st = os.lstat(full)
-        except OSError:
-            continue
-        if st.st_uid != uid:
-            continue
-        total, inner = st.st_blocks * 512, ()
-        if stat.S_ISDIR(st.st_mode):
+    try:
+        uid = os.geteuid()
+        for name in os.listdir(dfd):
+            if not name.startswith((SCRATCH_PREFIX,) + TRANSIENT_PREFIXES):
+                continue
             try:
-                inner = tuple(sorted(os.listdir(full)))
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             except OSError:
-                inner = ()
-            for sub in inner:
-                try:
-                    total += os.lstat(os.path.join(full, sub)).st_blocks * 512
-                except OSError:
-                    pass
-        out[name] = (total, inner)
+                continue
+            if st.st_uid != uid:
+                continue
+            total, inner = st.st_blocks * 512, ()
+            if stat.S_ISDIR(st.st_mode):
+                inner_total, inner = _inner_bytes(dfd, name)
+                total += inner_total
+            out[name] = (total, inner)
+    finally:
+        os.close(dfd)
     return out
+
+
+def _inner_bytes(dfd: int, name: str) -> tuple[int, tuple[str, ...]]:
+    """Allocated bytes and sorted names of the files in directory ``name`` of ``dfd`` (0, () where
+    it cannot be opened as a directory without following a link)."""
+    try:
+        sub = os.open(name, _LIST_FLAGS, dir_fd=dfd)
+    except OSError:
+        return 0, ()
+    try:
+        inner = tuple(sorted(os.listdir(sub)))
+        total = 0
+        for entry in inner:
+            try:
+                total += os.stat(entry, dir_fd=sub, follow_symlinks=False).st_blocks * 512
+            except OSError:
+                pass
+        return total, inner
+    finally:
+        os.close(sub)

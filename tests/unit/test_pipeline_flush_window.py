@@ -38,7 +38,7 @@ def test_a_slow_tier_write_back_does_not_hold_up_other_tiers(disk_dir, monkeypat
     # slow tier's own window and show nothing).
     import megatron_mlp.optim.offload_adam as offload_adam
     monkeypatch.setattr(offload_adam, "assign_subgroups",
-                        lambda plan, config, ranks=1, free_bytes=None, memory=None: [0, 0, 1, 0, 0, 0, 0, 1])
+                        lambda plan, config, ranks=1, free_bytes=None, memory=None, rooms=None, rank=None: [0, 0, 1, 0, 0, 0, 0, 1])
     fast_dir, slow_dir = os.path.join(disk_dir, "fast"), os.path.join(disk_dir, "slow")
     os.mkdir(fast_dir)
     os.mkdir(slow_dir)
