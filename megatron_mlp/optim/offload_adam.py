@@ -106,19 +106,25 @@ class OffloadAdam:
         self.tiers = TierStores(config, self.plan, tier_of, rank=rank,
                                 engine_factory=engine_factory or default_engine_factory(config),
                                 token_factory=token_factory or default_token_factory(config))
-        self.trace = None   # a StepTrace (observe/trace.py): --mlp-offload-trace, or attach_trace
-        if getattr(config, "trace_dir", None):
-            from megatron_mlp.observe.trace import StepTrace, trace_file
-            self.attach_trace(StepTrace(trace_file(config.trace_dir, rank), config.trace_steps, rank))
-        self.residency = Residency(self.host_memory, self.stores[0].engine.alloc if self.stores else bytearray,
-                                   uses_warm_buffers=warm_subgroups(config, self.host_memory) > 0)
-        self.access = StateAccess(self.plan, self.residency, self.tiers)
-        # Pieces a subgroup streams in at a step's end and out at its start (step_pipeline.py).
-        piece_params = piece_params_for(config.subgroup_params, config.block_bytes)
-        self.pieces = {sg.index: sg.pieces(piece_params) for sg in self.plan}
-        self.kernel = AdamKernel(config, self.plan.subgroup_params, ranks_per_node, rank)
-        self.kernel_threads = self.kernel.num_threads
-        self.access.write_initial(initial_params, self.numel)
+        try:
+            self.trace = None   # a StepTrace (observe/trace.py): --mlp-offload-trace, or attach_trace
+            if getattr(config, "trace_dir", None):
+                from megatron_mlp.observe.trace import StepTrace, trace_file
+                self.attach_trace(StepTrace(trace_file(config.trace_dir, rank), config.trace_steps, rank))
+            self.residency = Residency(self.host_memory, self.stores[0].engine.alloc if self.stores else bytearray,
+                                       uses_warm_buffers=warm_subgroups(config, self.host_memory) > 0)
+            self.access = StateAccess(self.plan, self.residency, self.tiers)
+            # Pieces a subgroup streams in at a step's end and out at its start (step_pipeline.py).
+            piece_params = piece_params_for(config.subgroup_params, config.block_bytes)
+            self.pieces = {sg.index: sg.pieces(piece_params) for sg in self.plan}
+            self.kernel = AdamKernel(config, self.plan.subgroup_params, ranks_per_node, rank)
+            self.kernel_threads = self.kernel.num_threads
+            self.access.write_initial(initial_params, self.numel)
+        except BaseException:
+            # A start refused from here on (a bad trace dir, the kernel, the initial params, a
+            # write failing) removes the scratch dirs and reservations the stores just made.
+            self.tiers.close(config.io_timeout_s)
+            raise
 
     @property
     def stores(self) -> list:

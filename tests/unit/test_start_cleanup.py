@@ -57,6 +57,21 @@ def test_a_start_refused_by_an_engine_that_cannot_open_leaves_the_tier_dir_as_it
     assert sorted(os.listdir(disk_dir)) == before
 
 
+def test_a_start_refused_after_the_stores_exist_leaves_the_tier_dir_as_it_was(disk_dir):
+    # Initial params of the wrong length are found while the state is written, after the stores
+    # made their scratch dirs and reserved their slots.
+    import torch
+    from megatron_mlp.optim.offload_adam import OffloadAdam
+    config = MLPOffloadConfig.from_paths(disk_dir, subgroup_params=1000, calibration="off", use_tokens=False)
+    before = sorted(os.listdir(disk_dir))
+    with pytest.raises(ConfigError, match="initial_params") as refused:
+        OffloadAdam(config, [(0, 3000)], [{"lr": 1e-3}], initial_params=torch.zeros(2999))
+    # Checked while the exception (and through its traceback the half-built optimizer) is alive,
+    # as a caller that logs or re-raises it would hold it: garbage collection must not be what cleans.
+    assert sorted(os.listdir(disk_dir)) == before
+    del refused
+
+
 def test_a_start_refused_at_the_second_tier_leaves_both_tier_dirs_as_they_were(disk_dir, shm_dir):
     from megatron_mlp.optim.tier_stores import default_token_factory
     made = []
