@@ -36,9 +36,11 @@ def test_a_slow_tier_write_back_does_not_hold_up_other_tiers(disk_dir, monkeypat
     # The layout is fixed here, not left to the placement model: one slow subgroup early in the
     # order with fast ones after it (a second slow one right behind it would rightly wait for the
     # slow tier's own window and show nothing).
+    import dataclasses
     import megatron_mlp.optim.offload_adam as offload_adam
-    monkeypatch.setattr(offload_adam, "assign_subgroups",
-                        lambda plan, config, ranks=1, free_bytes=None, memory=None, rooms=None, rank=None: [0, 0, 1, 0, 0, 0, 0, 1])
+    real_plan_for = offload_adam.plan_for
+    monkeypatch.setattr(offload_adam, "plan_for", lambda *args, **kwargs: dataclasses.replace(
+        real_plan_for(*args, **kwargs), tier_of=(0, 0, 1, 0, 0, 0, 0, 1)))
     fast_dir, slow_dir = os.path.join(disk_dir, "fast"), os.path.join(disk_dir, "slow")
     os.mkdir(fast_dir)
     os.mkdir(slow_dir)

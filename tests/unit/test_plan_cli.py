@@ -165,3 +165,24 @@ def test_host_memory_is_spent_as_the_optimizer_spends_it_when_given(capsys, tmp_
     assert tier["read_bytes"] == tier["write_bytes"] == 4 * REGION, "the same as a cache of 6 buffers"
     rc, _, err = run(capsys, *argv, "--host-memory", str(4 * 10**9 + 3 * piece))
     assert rc == 2 and "--mlp-offload-host-memory" in err and "minimum pipeline" in err
+
+
+def test_the_optimizer_predicts_the_update_time_plan_prints_when_given_the_same_tiers_and_budget(capsys, disk_dir):
+    # One function (placement.model.update_seconds) for plan, bench update and the optimizer's
+    # start-up log: the same tiers and budget give the same figure.
+    import os
+    from megatron_mlp.config import MLPOffloadConfig
+    from megatron_mlp.optim.offload_adam import OffloadAdam
+    from megatron_mlp.optim.placement.plan_cli import STAGING_BYTES_PER_PARAM
+    fast, slow = os.path.join(disk_dir, "fast"), os.path.join(disk_dir, "slow")
+    os.mkdir(fast)
+    os.mkdir(slow)
+    paths, numel, budget = f"{fast}:bw=2GB/s;{slow}:bw=500MB/s", 4_000_000, 64 * 10**6
+    rc, out, err = run(capsys, "--paths", paths, "--num-params", str(numel), "--subgroup-params", "250000",
+                       "--ranks-per-node", "1", "--calibration", "off", "--host-memory", str(budget), "--json")
+    assert rc == 0, err
+    planned = json.loads(out)["predicted_update_seconds"]
+    config = MLPOffloadConfig.from_paths(paths, subgroup_params=250_000, calibration="off",
+                                         host_memory_bytes=budget, use_tokens=False)
+    with OffloadAdam(config, [(0, numel)], [{"lr": 1e-3}], staging_bytes=STAGING_BYTES_PER_PARAM * numel) as opt:
+        assert planned > 0 and opt.predicted_update_s == pytest.approx(planned, rel=1e-9)

@@ -52,11 +52,12 @@ class SmallFileSystems:
             root = self.root_of(path)
             return real_statvfs(path) if root is None else _Vfs(self.free(root))
 
-        def reserve_space(path, nbytes):
+        def reserve_space(fd, nbytes):   # the store reserves through its descriptor of the file
+            path = os.readlink(f"/proc/self/fd/{fd}")
             root = self.root_of(path)
-            if root is not None and nbytes - os.stat(path).st_blocks * 512 > self.free(root):
+            if root is not None and nbytes - os.fstat(fd).st_blocks * 512 > self.free(root):
                 raise OSError(errno.ENOSPC, "No space left on device (emulated)", path)
-            return real_reserve(path, nbytes)
+            return real_reserve(fd, nbytes)
 
         monkeypatch.setattr(os, "statvfs", statvfs)
         monkeypatch.setattr(store_file, "reserve_space", reserve_space)
