@@ -19,6 +19,10 @@ the state complete is saved as an emergency checkpoint and training resumes from
 resumes from the last periodic checkpoint and replays the steps since (gradients are a function of
 the step, as in a data-parallel job restarted from a checkpoint).
 
+``--layout moe`` runs every kind on a mixture-of-experts rank's layout: two optimizers (the dense
+and the expert shard, ``megatron_mlp.testing.expert_shards``) with their own scratch on the same two
+tiers and the host budget split between them, a fault landing on either; a checkpoint holds both.
+
 Per kind it prints: injected, detected, recovered, lost (subgroups whose final state differs from
 the reference; must be 0) and bit_equal. It also reports the cost of the crc32c checks: the
 reference run's median step time with checksums on and off, measured in the same run.
@@ -53,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", type=str, default="/var/tmp", help="where the disk tier and checkpoints go")
     p.add_argument("--shm", type=str, default="/dev/shm", help="the second (tmpfs) tier's parent; '' = disk only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layout", choices=("dense", "moe"), default="dense",
+                   help="one optimizer per rank (dense), or a dense and an expert optimizer on the same tiers (moe)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
     p.add_argument("--child", type=str, default=None, help=argparse.SUPPRESS)
     return p
@@ -92,8 +98,18 @@ def _config(paths, spec, **overrides):
 def _optimizer(paths, spec, engines=None, **overrides):
     from megatron_mlp.optim.offload_adam import OffloadAdam
     numel = spec["num_params"]
+    if spec.get("layout") == "moe":
+        from megatron_mlp.testing.expert_shards import ExpertShards
+        dense = numel // 2   # the dense shard's and the expert shard's groups, each its own optimizer
+        shards = [([(0, dense)], _groups()[:1]), ([(0, numel - dense)], _groups()[1:])]
+        return ExpertShards(_config(paths, spec, **overrides), shards, _init(numel), engine_factory=engines)
     return OffloadAdam(_config(paths, spec, **overrides), _ranges(numel), _groups(), _init(numel),
                        engine_factory=engines)
+
+
+def _members(opt) -> list:
+    """The OffloadAdam instances behind ``opt`` (one, or the shards of the moe layout)."""
+    return getattr(opt, "members", [opt])
 
 
 def _save(opt, path: str) -> None:
@@ -140,7 +156,7 @@ def reference_run(paths, spec, checksum: bool):
             t0 = time.perf_counter()
             opt.step(_grads(s, spec["num_params"]))
             times.append(time.perf_counter() - t0)
-            crc.append(sum(t["checksum_s"] for t in opt.last_step_stats["tiers"]))
+            crc.append(sum(t["checksum_s"] for m in _members(opt) for t in m.last_step_stats["tiers"]))
         return _final_state(opt), times, statistics.median(crc), opt.plan
 
 
@@ -163,17 +179,27 @@ class _Campaign:
         return _optimizer(self.paths, spec, self.engines)
 
     def _counters(self, opt):
-        st = opt.last_step_stats or {}
-        retries = sum(t.get("io_retries", 0) for t in st.get("tiers", []))
-        failed = len(opt.failover.failed_tiers)
+        retries = sum(t.get("io_retries", 0) for m in _members(opt) for t in (m.last_step_stats or {}).get("tiers", []))
+        failed = sum(len(m.failover.failed_tiers) for m in _members(opt))
         engine_retries = sum(e.stats()["retries"] for e in self.engines.engines if not e.closed)
         return retries, failed, engine_retries
 
     def _inject(self, opt) -> None:
         kind, rng = self.kind, self.rng
-        healthy = [s for s in opt.stores if not s.failed]
+        members = _members(opt)
+        if len(members) > 1:
+            # The moe layout: a shard and a healthy tier the next step moves bytes on (one holding a
+            # subgroup that host memory, the cache or the working buffers, does not hold).
+            def moving(m):
+                held = set(m.residency.buffers)
+                return [s for s in m.stores if not s.failed and
+                        any(t == s.index and i not in held for i, t in enumerate(m.tier_of))]
+            opt = rng.choice([m for m in members if moving(m)] or members)
+            healthy = moving(opt) or [s for s in opt.stores if not s.failed]
+        else:
+            healthy = [s for s in opt.stores if not s.failed]
         store = rng.choice(healthy)
-        eng = self.engines.of(store.path)
+        eng = store.engine   # this shard's engine of the tier (the moe layout has one per shard and path)
         if kind == "eio":
             eng.inject_fault(nth=rng.randint(1, 2), err=errno.EIO, op=rng.choice(["read", "write"]))
         elif kind == "enospc":
@@ -348,9 +374,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"{flag}: {v} must be positive")
     if args.steps < 2:
         raise ConfigError(f"--steps: {args.steps} leaves no step to inject a fault before (need >= 2)")
-    if args.num_params < 2 * args.subgroup_params:
+    shards = 2 if args.layout == "moe" else 1
+    if args.num_params < 2 * shards * args.subgroup_params:
         raise ConfigError(f"--num-params: {args.num_params} must hold at least two subgroups of --subgroup-params "
-                          f"{args.subgroup_params} (one per tier)")
+                          f"{args.subgroup_params} (one per tier) per optimizer ({shards} with --layout {args.layout})")
     import logging
 
     import torch
@@ -361,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     package_logger.setLevel(logging.ERROR)
     work = tempfile.mkdtemp(prefix="mlp-faultbench-", dir=args.dir)
     rng = random.Random(args.seed)
-    spec = {"steps": args.steps, "faults": args.faults_per_kind, "num_params": args.num_params,
+    spec = {"layout": args.layout, "steps": args.steps, "faults": args.faults_per_kind, "num_params": args.num_params,
             "subgroup_params": args.subgroup_params, "checkpoint_every": args.checkpoint_every,
             "io_timeout_s": 120.0, "host_cache_bytes": 12 * args.subgroup_params + 3 * 4096,
             # A small working set, so that host memory (cache plus working buffers) cannot hold every
@@ -404,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             for p in paths:
                 shutil.rmtree(p, ignore_errors=True)
         report = {
-            "benchmark": "faults", "steps": args.steps, "faults_per_kind": args.faults_per_kind,
+            "benchmark": "faults", "layout": args.layout, "steps": args.steps, "faults_per_kind": args.faults_per_kind,
             "num_params": args.num_params, "subgroup_params": args.subgroup_params, "num_subgroups": len(plan),
             "checkpoint_every": args.checkpoint_every, "tiers": ["disk", "tmpfs" if args.shm else "disk"],
             "torch": torch.__version__, "seed": args.seed,
@@ -445,7 +472,7 @@ def _run_kind(kind, paths, spec, rng, work, ref_state, plan) -> dict:
 
 
 def _print(r: dict) -> None:
-    print(f"bench faults: {r['steps']} steps, {r['num_params']} params in {r['num_subgroups']} subgroups over "
+    print(f"bench faults ({r['layout']} layout): {r['steps']} steps, {r['num_params']} params in {r['num_subgroups']} subgroups over "
           f"two tiers ({' + '.join(r['tiers'])}), {r['faults_per_kind']} faults per kind, checkpoint every "
           f"{r['checkpoint_every']} steps, torch {r['torch']}")
     print(f"{'kind':<12} {'injected':>8} {'detected':>8} {'recovered':>9} {'lost':>5} {'bit-equal':>9} {'s':>6}  how")

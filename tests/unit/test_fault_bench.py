@@ -51,3 +51,18 @@ def test_bench_faults_names_the_kind_that_did_not_finish_and_why_and_still_repor
     assert report["failed_kinds"] == {"eio": "RuntimeError: the device was too slow for this campaign"}
     assert report["kinds"]["eio"]["lost"] is None and not report["kinds"]["eio"]["bit_equal"]
     assert report["kinds"]["short_write"]["lost"] == 0 and report["kinds"]["short_write"]["bit_equal"]
+
+
+def test_bench_faults_on_the_moe_layout_loses_nothing_when_faults_land_on_either_shard(disk_dir):
+    # A dense and an expert optimizer with their own scratch on the same two tiers (an MoE rank):
+    # every kind is injected into one of them, detected, recovered, and the state of both is
+    # bit-equal to the fault-free run of the same layout.
+    r = run_script("faults", "--json", "--layout", "moe", "--steps", "5", "--faults-per-kind", "1",
+                   "--num-params", "160000", "--subgroup-params", "10000", "--checkpoint-every", "2",
+                   "--dir", disk_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    assert report["layout"] == "moe" and report["num_subgroups"] == 16
+    for kind, k in report["kinds"].items():
+        assert k["injected"] == 1 and k["detected"] == 1 and k["recovered"] == 1, (kind, k)
+        assert k["lost"] == 0 and k["bit_equal"], (kind, k)

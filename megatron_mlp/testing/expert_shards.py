@@ -1,0 +1,90 @@
+"""A mixture-of-experts rank's optimizer shards without Megatron: two OffloadAdam on the same tiers.
+
+With expert parallelism Megatron-Core builds two distributed optimizers per rank (dense params over
+the data-parallel group, expert params over the expert-data-parallel group), and with
+``--mlp-offload`` each is an OffloadAdam with its own scratch directory on every tier path, sharing
+the rank's host budget split by state size (``megatron/chained.py``). The fault campaign
+(``benchmarks/faults.py --layout moe``) drives that layout through this class, which presents the
+two shards as one optimizer over the concatenated flat state: the gradient, ``read_range`` and the
+subgroups are the dense shard's followed by the expert shard's, and a checkpoint holds both.
+"""
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import torch
+
+
+def split_budget(config, numels: list[int]) -> list:
+    """One config per shard, ``host_memory_bytes`` and ``host_cache_bytes`` split by state size, as
+    ``megatron.chained.split_host_budget`` does (that module needs Megatron-Core; this one does not)."""
+    total = sum(numels)
+    share = lambda b, n: b * n // total if b else b  # noqa: E731
+    return [dataclasses.replace(config, host_memory_bytes=share(config.host_memory_bytes, n),
+                                host_cache_bytes=share(config.host_cache_bytes, n)) for n in numels]
+
+
+class ExpertShards:
+    """The dense and the expert OffloadAdam of one rank, as one optimizer.
+
+    Args:
+        config: the rank's config; its host budget is split between the shards by state size.
+        shards: ``[(group_ranges, param_groups), ...]`` of each shard (dense first).
+        initial_params: the flat initial params of all shards together (or None).
+        engine_factory: shared by the shards (the fault campaign injects through it).
+    """
+
+    def __init__(self, config, shards, initial_params=None, *, engine_factory=None):
+        from megatron_mlp.optim.offload_adam import OffloadAdam
+        numels = [ranges[-1][1] - ranges[0][0] for ranges, _ in shards]
+        self.offsets = [sum(numels[:k]) for k in range(len(numels))]
+        self.numel = sum(numels)
+        self.members: list = []
+        try:
+            for cfg, (ranges, groups), lo, n in zip(split_budget(config, numels), shards, self.offsets, numels):
+                init = None if initial_params is None else initial_params[lo:lo + n]
+                self.members.append(OffloadAdam(cfg, ranges, groups, init, engine_factory=engine_factory))
+        except BaseException:
+            self.close()
+            raise
+        # Every subgroup of both shards, at its place in the flat state (``.start``/``.end``).
+        self.plan = [SimpleNamespace(start=lo + sg.start, end=lo + sg.end)
+                     for m, lo in zip(self.members, self.offsets) for sg in m.plan]
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[lo:lo + m.numel] for m, lo in zip(self.members, self.offsets)]
+
+    def step(self, grads: torch.Tensor) -> None:
+        for m, g in zip(self.members, self._split(grads)):
+            m.step(g)
+
+    def state_dict(self) -> dict:
+        members = [m.state_dict() for m in self.members]
+        return {"members": members, "steps": members[0]["steps"]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if len(sd["members"]) != len(self.members):
+            raise ValueError(f"state_dict['members']: {len(sd['members'])} shards for {len(self.members)} optimizers")
+        for m, msd in zip(self.members, sd["members"]):
+            m.load_state_dict(msd)
+
+    def read_range(self, start: int, end: int) -> dict:
+        if (start, end) != (0, self.numel):
+            raise ValueError(f"read_range({start}, {end}): ExpertShards reads the whole state (0, {self.numel})")
+        parts = [m.read_range(0, m.numel) for m in self.members]
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+    @property
+    def stale_scratch(self) -> dict:
+        return {"removed": [r for m in self.members for r in m.stale_scratch["removed"]]}
+
+    def close(self) -> None:
+        for m in self.members:
+            m.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
