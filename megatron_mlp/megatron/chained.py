@@ -39,6 +39,28 @@ class MLPOffloadChainedOptimizer(ChainedOptimizer):
             if hasattr(opt, "use_global_grad_norm"):
                 opt.chained_with = len(self.chained_optimizers)
 
+    def step_with_ready_grads(self) -> bool:
+        """Stock's member-by-member step, with a member's ``TierFailure`` held until every member has
+        stepped: the failing member's step is complete (its state held in host memory), and raising at
+        once would leave the members after it one step behind, so that an emergency checkpoint of the
+        chain would mix two iterations. The first failure is then handled as one member handles it
+        (Megatron's exit signal, or raised), the others logged."""
+        members = [opt for opt in self.chained_optimizers if hasattr(opt, "held_tier_failures")]
+        held: list = []
+        for opt in members:
+            opt.held_tier_failures = held
+        try:
+            ok = super().step_with_ready_grads()
+        finally:
+            for opt in members:
+                opt.held_tier_failures = None
+        for opt, failure in held[1:]:
+            logger.error("MLP-Offload (%s optimizer): %s", getattr(opt, "offload_role", "another"), failure)
+        if held:
+            opt, failure = held[0]
+            opt._on_tier_failure(failure)
+        return ok
+
     def get_grad_norm(self):
         """Stock's norm over every member (same process groups, same arithmetic), remembered by each
         member for its clip coefficient."""

@@ -62,6 +62,9 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
     # the factory builds once Megatron has built them all (factory.py, chained.finish_build).
     _built: list = []
     chained_with = 1   # members of the ChainedOptimizer around this one (chained.py)
+    # Set by the ChainedOptimizer around this one while its members step: a TierFailure is held
+    # there until every member has stepped, so that the iteration completes on all of them.
+    held_tier_failures: list | None = None
 
     def __init__(self, optimizer, config, grad_scaler, init_state_fn, *args, **kwargs):
         if self.mlp_config is None:
@@ -271,8 +274,15 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
             report_step_timers(self.config.timers, self.optimizer)
             failure, self.optimizer.tier_failure = self.optimizer.tier_failure, None
             if failure is not None:
-                self._on_tier_failure(failure)
+                self._deliver_tier_failure(failure)
         return ok
+
+    def _deliver_tier_failure(self, failure: TierFailure) -> None:
+        """Handle it now, or hold it for the ChainedOptimizer stepping this member (chained.py)."""
+        if self.held_tier_failures is not None:
+            self.held_tier_failures.append((self, failure))
+        else:
+            self._on_tier_failure(failure)
 
     def _on_tier_failure(self, exc: TierFailure) -> None:
         """No tier can take the optimizer state any more; this iteration completed and the state is

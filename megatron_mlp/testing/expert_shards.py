@@ -56,8 +56,18 @@ class ExpertShards:
         return [flat[lo:lo + m.numel] for m, lo in zip(self.members, self.offsets)]
 
     def step(self, grads: torch.Tensor) -> None:
+        """Step every shard; a shard's ``TierFailure`` (its step complete, its state held in host
+        memory) is raised once every shard has stepped, as ``MLPOffloadChainedOptimizer`` does, so an
+        emergency checkpoint holds one iteration of both."""
+        from megatron_mlp.errors import TierFailure
+        failures = []
         for m, g in zip(self.members, self._split(grads)):
-            m.step(g)
+            try:
+                m.step(g)
+            except TierFailure as e:
+                failures.append(e)
+        if failures:
+            raise failures[0]
 
     def state_dict(self) -> dict:
         members = [m.state_dict() for m in self.members]
