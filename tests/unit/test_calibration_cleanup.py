@@ -18,6 +18,7 @@ from megatron_mlp.tier.calibration import CALIBRATE_PREFIX, remove_leftovers
 class _FakeVfs:
     def __init__(self, free_bytes):
         self.f_bavail, self.f_frsize = free_bytes // 4096, 4096
+        self.f_fsid = 0   # no file-system ID, as tmpfs reports (the cache keys by device and mount then)
 
 
 def _with_free_space(monkeypatch, directory, free_bytes):
