@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from megatron_mlp.errors import IntegrityError, TierIOError
 from megatron_mlp.optim.stats import TierStepStats
-from megatron_mlp.optim.store_file import SlotRecord, open_tier_file
+from megatron_mlp.optim.store_file import SlotRecord, close_tier_file, open_tier_file
 from megatron_mlp.optim.streamed_flush import StreamedFlush
 from megatron_mlp.optim.subgroups import Subgroup
 from megatron_mlp.tier.scratch import reserve_space
@@ -98,7 +98,7 @@ class TierStore:
             token = token_factory(spec, "read" if split else "rw")
             write_token = token_factory(spec, "write") if split else token
         except BaseException:
-            _close_tier_file(f)   # a refused start (no usable runtime dir, ...) leaves no scratch behind
+            close_tier_file(f)   # a refused start (no usable runtime dir, ...) leaves no scratch behind
             raise
         store = cls(index=index, path=spec.path, scratch_dir=f.scratch_dir.path, file_path=f.file_path,
                     engine=f.engine, handle=f.handle, token=token, write_token=write_token, checksum=checksum,
@@ -488,18 +488,6 @@ class TierStore:
                 # stale-scratch scan of the next run (its owner, this process, will be gone).
                 logger.warning("tier %s hangs: its scratch dir %s is left for the next run's stale-scratch scan",
                                self.path, self.scratch_dir)
-
-
-def _close_tier_file(f) -> None:
-    """Undo ``open_tier_file``: close the handles, engines and state file, remove the scratch dir."""
-    try:
-        for handle in {id(f.handle): f.handle, id(f.write_handle): f.write_handle}.values():
-            handle.close()
-        for engine in {id(f.engine): f.engine, id(f.write_engine): f.write_engine}.values():
-            engine.close()
-    finally:
-        os.close(f.state_fd)
-        f.scratch_dir.remove()
 
 
 def _crc32c(region) -> int:

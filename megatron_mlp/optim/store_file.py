@@ -115,3 +115,15 @@ def open_tier_file(spec, subgroups: list[Subgroup], *, engine_factory, job_tag: 
     return TierFile(scratch_dir=scratch_dir, file_path=file_path, state_fd=state_fd, engine=engine, handle=handle,
                     write_engine=write_engine, write_handle=write_handle, split_lanes=split, records=records,
                     end_offset=offset, inode=(st.st_dev, st.st_ino))
+
+
+def close_tier_file(f) -> None:
+    """Undo ``open_tier_file``: close the handles, engines and state file, remove the scratch dir."""
+    try:
+        for handle in {id(f.handle): f.handle, id(f.write_handle): f.write_handle}.values():
+            handle.close()
+        for engine in {id(f.engine): f.engine, id(f.write_engine): f.write_engine}.values():
+            engine.close()
+    finally:
+        os.close(f.state_fd)
+        f.scratch_dir.remove()

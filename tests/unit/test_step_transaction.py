@@ -257,7 +257,7 @@ def test_megatron_inner_load_refuses_a_step_that_is_not_a_whole_count(step, name
     from megatron_mlp.testing.reference_offload import InMemoryAdam
     p = torch.zeros(8)
     groups = [{"params": [p], "lr": 1e-3, "weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8}]
-    config = MLPOffloadConfig.from_paths("/tmp", subgroup_params=8, use_tokens=False)
+    config = MLPOffloadConfig.from_paths("/tmp", subgroup_params=4096, use_tokens=False)
     offload = InMemoryAdam(config, [(0, 8)], [{k: v for k, v in groups[0].items() if k != "params"}], torch.zeros(8))
     inner = OffloadInner(groups, [Segment(0, 8, torch.zeros(8), torch.zeros(8))], 8, torch.float32,
                          torch.float32, offload)
