@@ -28,6 +28,11 @@ import warnings
 
 
 DEMO_LR = 1e-4  # small enough that the loss falls steadily from the first iterations
+DEMO_HEADS = 8
+DEMO_SEQ_LENGTH = 128
+HOST_BYTES_PER_PARAM = 6
+"""Host memory each parameter takes at the least: its new bf16 value and its fp32 gradient pass
+through host buffers on every step (on a machine without a GPU the whole model lives there too)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,6 +49,43 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--subgroup-size", type=int, default=2_000_000, help="elements per subgroup (default 2M)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout and nothing else")
     return p
+
+
+def _check_args(args) -> None:
+    """Every flag, before torch starts and before anything is created; ``--workdir`` made absolute.
+
+    Raises:
+        ConfigError: naming the flag the user typed and its value.
+    """
+    from megatron_mlp.bench.common import check_fits_in_memory
+    from megatron_mlp.config import check_subgroup_size
+    from megatron_mlp.errors import ConfigError
+    from megatron_mlp.testing.gpt import TinyGPT
+    from megatron_mlp.tier.spec import check_tier_path, parse_tier_paths
+    from megatron_mlp.tier.validation import validate_tier_paths
+
+    for flag, value in (("--iters", args.iters), ("--num-layers", args.num_layers), ("--vocab-size", args.vocab_size),
+                        ("--subgroup-size", args.subgroup_size)):
+        if value < 1:
+            raise ConfigError(f"{flag}: {value} must be at least 1")
+    if args.hidden_size < DEMO_HEADS or args.hidden_size % DEMO_HEADS:
+        raise ConfigError(f"--hidden-size: {args.hidden_size} must be a positive multiple of {DEMO_HEADS} "
+                          f"(the demo GPT's attention heads)")
+    check_subgroup_size(args.subgroup_size, flag="--subgroup-size")
+    params = TinyGPT(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                     num_attention_heads=DEMO_HEADS, seq_length=DEMO_SEQ_LENGTH).num_params_estimate
+    check_fits_in_memory("--hidden-size, --num-layers, --vocab-size", params * HOST_BYTES_PER_PARAM,
+                         f"a GPT of {params:,} params (at least {HOST_BYTES_PER_PARAM} bytes each)")
+    if args.paths:
+        # The user's tier paths are used as they are: the demo makes none of them.
+        validate_tier_paths(parse_tier_paths(args.paths, flag="--paths"), flag="--paths", create=False)
+    elif args.workdir is not None:
+        args.workdir = os.path.abspath(args.workdir)
+        for name in ("tier-a", "tier-b"):
+            check_tier_path(os.path.join(args.workdir, name), "--workdir")
+        if not os.path.isdir(args.workdir):
+            raise ConfigError(f"--workdir: {args.workdir} is not a directory (the demo makes its two tier "
+                              "directories inside an existing one)")
 
 
 def _init_single_process():
@@ -175,6 +217,7 @@ def _run(label, spec, mlp_config, iters, log, inner_factory=None):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    _check_args(args)
     out = sys.stderr if args.json else sys.stdout
     log = lambda msg: print(msg, file=out, flush=True)  # noqa: E731
     warnings.filterwarnings("ignore")
@@ -188,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         log("no GPU: running Megatron-Core on the CPU through megatron_mlp.testing's harness")
     _init_single_process()
     spec = gpt.TinyGPT(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
-                       num_attention_heads=8, seq_length=128, micro_batch_size=2)
+                       num_attention_heads=DEMO_HEADS, seq_length=DEMO_SEQ_LENGTH, micro_batch_size=2)
     own_dir = args.workdir is None
     workdir = args.workdir or tempfile.mkdtemp(prefix="mlp-offload-demo-", dir="/var/tmp")
     if args.paths:

@@ -465,11 +465,11 @@ def main(argv: list[str] | None = None) -> int:
         job = job_from_args(ns)
         text = render_pbs_script(job) if ns.scheduler == "pbs" else render_job_script(job)
     except ConfigError as exc:
-        print(f"megatron-mlp slurm: {exc}", file=sys.stderr)
+        print(f"megatron-mlp slurm: error: {exc}", file=sys.stderr)
         return 2
     if ns.output == "-":
         if ns.submit:
-            print("megatron-mlp slurm: --submit needs -o FILE", file=sys.stderr)
+            print("megatron-mlp slurm: error: --submit needs -o FILE", file=sys.stderr)
             return 2
         sys.stdout.write(text)
         return 0

@@ -24,7 +24,8 @@ import statistics
 import sys
 import time
 
-from megatron_mlp.bench.common import stdout_to_stderr
+from megatron_mlp.bench.common import check_fits_in_memory, stdout_to_stderr
+from megatron_mlp.errors import ConfigError
 
 GRAD_DTYPES = ("bf16", "fp16", "fp32")
 
@@ -227,22 +228,35 @@ def _print_human(r: dict) -> None:
     print(f"kernel checksums: {r['kernel_checksums']}; crc32c alone ({r['crc32c_impl']}): {r['crc32c_gbs']:.1f} GB/s")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def _validate(args) -> None:
+    """Every flag, before anything is allocated.
+
+    Raises:
+        ConfigError: naming the flag and its value.
+    """
     if args.grad_dtype not in GRAD_DTYPES:
-        print(f"megatron-mlp bench adam: --grad-dtype must be one of {', '.join(GRAD_DTYPES)}, "
-              f"got {args.grad_dtype!r}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--grad-dtype must be one of {', '.join(GRAD_DTYPES)}, got {args.grad_dtype!r}")
     if args.num_params < 1:
-        print(f"megatron-mlp bench adam: --num-params must be >= 1, got {args.num_params}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--num-params must be >= 1, got {args.num_params}")
     if args.repeats < 1:
-        print(f"megatron-mlp bench adam: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if args.threads < 0 or args.threads > cpus:
-        print(f"megatron-mlp bench adam: --threads must be between 1 and the {cpus} CPUs this process may run "
-              f"on (0 = all), got {args.threads}", file=sys.stderr)
+        raise ConfigError(f"--threads must be between 1 and the {cpus} CPUs this process may run on (0 = all), "
+                          f"got {args.threads}")
+    # What the contenders hold at once, DeepSpeed's aside: the gradient, the fused step's p, m, v and
+    # params out, the bound's own copies of them, torch's param, fp32 grad, m and v.
+    grad_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[args.grad_dtype]
+    check_fits_in_memory("--num-params", args.num_params * (grad_bytes + 2 * (12 + 2) + 16),
+                         f"{args.num_params:,} params in every contender's arrays")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        _validate(args)
+    except ConfigError as e:
+        print(f"megatron-mlp bench adam: error: {e}", file=sys.stderr)
         return 2
     result = run(args)
     if args.json:

@@ -8,6 +8,8 @@
   (DeepSpeed) logs. DeepSpeed logs on stdout, from Python and from its C++ ops, at import, at op
   build and at first use; both levels are sent to stderr for the duration.
 * ``timed``: the wall time of one call.
+* ``check_fits_in_memory``: a buffer size a flag asks for, refused before allocating when this
+  host's memory could never hold it (instead of an allocator's traceback minutes in).
 """
 from __future__ import annotations
 
@@ -44,6 +46,27 @@ def io_geometry(args) -> tuple[int, int]:
     if not 1 <= args.io_queue_depth <= 4096:
         raise ConfigError(f"--io-queue-depth: {args.io_queue_depth} must be in [1, 4096]")
     return block, args.io_queue_depth
+
+
+def physical_memory_bytes() -> int:
+    """This host's physical memory (0 when the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def check_fits_in_memory(flag: str, need_bytes: int, what: str) -> None:
+    """Refuse ``need_bytes`` of buffers (``what`` they are) beyond this host's physical memory.
+    The bound is the whole memory, not what is free now, so a busy host never refuses a run that fits.
+
+    Raises:
+        ConfigError: naming ``flag``, the bytes needed and the bytes the host has.
+    """
+    total = physical_memory_bytes()
+    if total and need_bytes > total:
+        raise ConfigError(f"{flag}: {what} need {need_bytes:,} bytes of host memory, more than this host's "
+                          f"{total:,}")
 
 
 @contextlib.contextmanager

@@ -19,9 +19,11 @@ import sys
 import time
 import uuid
 
-from megatron_mlp.bench.common import stdout_to_stderr
+from megatron_mlp.bench.common import check_fits_in_memory, stdout_to_stderr
+from megatron_mlp.engine.defaults import MAX_IO_BLOCK_BYTES, MAX_IO_QUEUE_DEPTH, MAX_IO_THREADS
 from megatron_mlp.errors import ConfigError, EngineUnavailable
 import megatron_mlp.tier.safe_path as safe_path
+from megatron_mlp.tier.spec import check_tier_path
 
 GB = 1e9
 _DS_VARIANTS = ("deepspeed", "engine_on_deepspeed_buffer")
@@ -48,21 +50,28 @@ def _parse_args(argv):
 
 
 def _validate(a) -> None:
+    """Every flag, before anything is created or measured; the engine's limits are named by flag."""
+    check_tier_path(a.path, "--path")   # absolute, one line, nothing left to expand
     if not os.path.isdir(a.path):
         raise ConfigError(f"--path: {a.path} is not a directory")
     if not os.access(a.path, os.W_OK):
         raise ConfigError(f"--path: {a.path} is not writable")
-    if a.block_bytes <= 0 or a.block_bytes % 4096:
-        raise ConfigError(f"--block-bytes: expected a positive multiple of 4096, got {a.block_bytes}")
+    if a.block_bytes <= 0 or a.block_bytes % 4096 or a.block_bytes > MAX_IO_BLOCK_BYTES:
+        raise ConfigError(f"--block-bytes: expected a positive multiple of 4096 of at most {MAX_IO_BLOCK_BYTES} "
+                          f"(the engine's largest task), got {a.block_bytes}")
     if a.size_bytes <= 0 or a.size_bytes % a.block_bytes:
         raise ConfigError(f"--size-bytes: expected a positive multiple of --block-bytes ({a.block_bytes}), "
                           f"got {a.size_bytes}")
-    if a.queue_depth < 1:
-        raise ConfigError(f"--queue-depth: expected >= 1, got {a.queue_depth}")
+    if not 1 <= a.queue_depth <= MAX_IO_QUEUE_DEPTH:
+        raise ConfigError(f"--queue-depth: expected 1 to {MAX_IO_QUEUE_DEPTH} (the engine's limit), got {a.queue_depth}")
+    if not 0 <= a.num_threads <= MAX_IO_THREADS:
+        raise ConfigError(f"--num-threads: expected 0 (the queue depth) to {MAX_IO_THREADS} (the engine's limit), "
+                          f"got {a.num_threads}")
     if a.repeats < 1:
         raise ConfigError(f"--repeats: expected >= 1, got {a.repeats}")
     if a.buffer_bytes < a.block_bytes or a.buffer_bytes % a.block_bytes:
         raise ConfigError(f"--buffer-bytes: expected a positive multiple of --block-bytes, got {a.buffer_bytes}")
+    check_fits_in_memory("--buffer-bytes", min(a.buffer_bytes, a.size_bytes), "the host buffer")
     free = shutil.disk_usage(a.path).free
     if free < 2 * a.size_bytes:
         raise ConfigError(f"--path: {a.path} has {free} bytes free, the benchmark needs {2 * a.size_bytes}")
@@ -325,7 +334,7 @@ def main(argv: list[str]) -> int:
     try:
         r = run(a)
     except (ConfigError, EngineUnavailable) as e:
-        print(f"megatron-mlp bench io: {e}", file=sys.stderr)
+        print(f"megatron-mlp bench io: error: {e}", file=sys.stderr)
         return 2
     if a.json:
         print(json.dumps(r))

@@ -65,11 +65,13 @@ import sys
 import tempfile
 
 from megatron_mlp.bench.common import add_io_geometry_args, io_geometry
-from megatron_mlp.bench.update_rank import NoBarrier, rank_main, run_config, run_rank, trace_path
+from megatron_mlp.bench.update_rank import ABLATION, NoBarrier, rank_main, run_config, run_rank, trace_path
 from megatron_mlp.bench.update_report import format_text, plot_sweep
 from megatron_mlp.bench.update_result import UpdateResult, summarize
 from megatron_mlp.bench.update_tiers import check_room, measure_tiers, measured_specs
+from megatron_mlp.config import MAX_PIPELINE_DEPTH
 from megatron_mlp.errors import ConfigError
+from megatron_mlp.optim.host_memory import FLAG as HOST_MEMORY_FLAG
 from megatron_mlp.tier.spec import parse_tier_paths
 from megatron_mlp.units import parse_size
 
@@ -124,6 +126,11 @@ def _check_plot_target(path: str | None) -> str | None:
 
 MAX_SUBGROUPS_PER_RANK = 100_000
 """More subgroups than this per rank are refused: the run (and its baseline's plan) walks each one."""
+MAX_RANKS = 64
+"""Most processes a run starts as the ranks of one node (a node has a handful of GPUs; each rank is
+a process holding its own shard and engines)."""
+MAX_STEPS = 10_000
+"""Most steps per variant: a run measures several variants, each ``--steps`` times."""
 
 
 def _check_state_size(args, tiers) -> None:
@@ -175,15 +182,25 @@ def _checked_args(argv):
                         ("--ranks", args.ranks), ("--steps", args.steps)):
         if value <= 0:
             raise ConfigError(f"{flag}: {value} must be positive")
-    if args.prefetch_depth < 0:
-        raise ConfigError(f"--prefetch-depth: {args.prefetch_depth} must be >= 0")
-    if args.flush_depth < 1:
-        raise ConfigError(f"--flush-depth: {args.flush_depth} must be >= 1")
+    if args.ranks > MAX_RANKS:
+        raise ConfigError(f"--ranks: {args.ranks} processes is more than the {MAX_RANKS} ranks of one node a run starts")
+    if args.steps > MAX_STEPS:
+        raise ConfigError(f"--steps: {args.steps} is more than {MAX_STEPS} steps per variant")
+    # The optimizer's own ranges, named by this command's flags (its config would name its own).
+    if not 0 <= args.prefetch_depth <= MAX_PIPELINE_DEPTH:
+        raise ConfigError(f"--prefetch-depth: {args.prefetch_depth} must be in [0, {MAX_PIPELINE_DEPTH}]")
+    if not 1 <= args.flush_depth <= MAX_PIPELINE_DEPTH:
+        raise ConfigError(f"--flush-depth: {args.flush_depth} must be in [1, {MAX_PIPELINE_DEPTH}]")
     _check_state_size(args, tiers)
-    if args.adam_threads < 0:
-        raise ConfigError(f"--adam-threads: {args.adam_threads} must be 0 (automatic) or a thread count")
+    cpus = os.cpu_count() or 1
+    if not 0 <= args.adam_threads <= cpus:
+        raise ConfigError(f"--adam-threads: {args.adam_threads} must be 0 (automatic) or a thread count of at "
+                          f"most the {cpus} CPUs")
     if args.num_params // args.ranks <= 0:
         raise ConfigError(f"--num-params: {args.num_params} is fewer than one per rank (--ranks {args.ranks})")
+    # A subgroup is never larger than a rank's shard: every buffer sized by it (the baseline's, the
+    # fp32 upcast of the rows without the in-register one) is sized by what the run holds.
+    args.subgroup_params = min(args.subgroup_params, args.num_params // args.ranks)
     args.plot = _check_plot_target(args.plot)
     args.host_memory_list = _budgets(args.host_memory, baseline_host_bytes(args.num_params // args.ranks,
                                                                           args.subgroup_params))
@@ -191,12 +208,18 @@ def _checked_args(argv):
     from megatron_mlp.optim.placement import host_memory_for
     from megatron_mlp.optim.subgroups import SubgroupPlan
     args.runtime_dir = None
-    for b in args.host_memory_list:   # refused now, naming the flag, rather than after the baseline's steps
+    plan = SubgroupPlan([(0, args.num_params // args.ranks)], args.subgroup_params)
+    # Every variant the run will build, at its budget: refused now, naming the flag, rather than
+    # after the baseline's steps (the ablation rows at the headline budget, the sweep at the others).
+    rows = [ABLATION[-1]] if args.no_ablation else list(ABLATION)
+    runs = [(args.host_memory_list[0], row) for row in rows] + [(b, ABLATION[-1]) for b in args.host_memory_list[1:]]
+    for b, (name, overrides) in runs:
         try:
-            host_memory_for(SubgroupPlan([(0, args.num_params // args.ranks)], args.subgroup_params),
-                            run_config(args, tiers, host_memory_bytes=b))
+            host_memory_for(plan, run_config(args, tiers, **dict(overrides, host_memory_bytes=b)))
         except ConfigError as e:
-            raise ConfigError(f"--host-memory: {e}") from None
+            text = str(e).replace(f"{HOST_MEMORY_FLAG}: ", "").replace("--mlp-offload-subgroup-size",
+                                                                       "--subgroup-params")
+            raise ConfigError(f"--host-memory: {name}: {text}") from None
     if args.trace_steps is not None and not args.trace:
         raise ConfigError("--trace-steps: give --trace FILE too (where the trace goes)")
     if args.trace:

@@ -8,6 +8,7 @@ input: read with a size bound and checked event by event (``load_trace``); a pic
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -71,8 +72,19 @@ def check_plot_target(path: str, flag: str) -> str:
                 from None
         os.close(fd)
         os.unlink(probe)
-    _pyplot(flag)
+    # Found, not imported: importing matplotlib writes its font cache, and a refusal of the input
+    # checked after this must leave nothing behind. It is imported when the picture is drawn.
+    try:
+        found = importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(_NO_MATPLOTLIB.format(flag=flag))
     return path
+
+
+_NO_MATPLOTLIB = ("{flag}: drawing needs matplotlib, which is not installed: "
+                  "pip install 'megatron_mlp[plot]' (or pip install matplotlib)")
 
 
 def _pyplot(flag: str):
@@ -81,8 +93,7 @@ def _pyplot(flag: str):
         matplotlib.use("Agg")   # files only: no display needed (compute nodes have none)
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ConfigError(f"{flag}: drawing needs matplotlib, which is not installed: "
-                          f"pip install 'megatron_mlp[plot]' (or pip install matplotlib)") from e
+        raise ConfigError(_NO_MATPLOTLIB.format(flag=flag)) from e
     return plt
 
 
@@ -282,11 +293,11 @@ def _bounded_lanes(lanes: list, notes: list) -> list:
 def plot_timeline(doc: dict, path: str, title: str = "", flag: str = "-o", notes: list | None = None) -> str:
     """Draw the trace as horizontal lanes: one per tier (and direction), the kernel, the copies.
     At most MAX_LANES lanes and MAX_SPANS spans are drawn; ``notes`` gets a line for what was not."""
-    plt = _pyplot(flag)
     lanes = trace_lanes(doc)
     if not lanes:
         raise ConfigError(f"{flag}: the trace holds no spans to draw")
     lanes = _bounded_lanes(lanes, notes if notes is not None else [])
+    plt = _pyplot(flag)
     t0 = min(e["ts"] for _, spans in lanes for e in spans)
     fig, ax = plt.subplots(figsize=(13, 0.55 * len(lanes) + 1.6))
     seen = set()

@@ -24,10 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron_mlp.observe.plot import check_plot_target, load_trace, plot_timeline
+    from megatron_mlp.observe.plot import check_plot_target, load_trace, plot_timeline, trace_lanes
     try:
         out = check_plot_target(args.output, "-o")
         doc = load_trace(args.trace, "TRACE.json")
+        if not trace_lanes(doc):
+            raise ConfigError(f"TRACE.json: {args.trace} holds no complete spans (\"ph\": \"X\") to draw")
         other = doc.get("otherData", {})
         title = args.title or (f"MLP-Offload timeline, steps {other['steps']} ({os.path.basename(args.trace)})"
                                if "steps" in other else "")

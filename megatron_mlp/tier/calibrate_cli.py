@@ -19,7 +19,7 @@ import sys
 import threading
 
 from megatron_mlp.errors import ConfigError, EngineUnavailable, TierIOError
-from megatron_mlp.tier.calibration import DEFAULT_SIZE_BYTES, calibrate_paths
+from megatron_mlp.tier.calibration import DEFAULT_SIZE_BYTES, MAX_PROCS, calibrate_paths
 from megatron_mlp.tier.calibration_cache import default_cache_path
 from megatron_mlp.tier.spec import parse_tier_paths
 from megatron_mlp.tier.validation import validate_tier_paths
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         size = parse_size(args.size_bytes, "--size-bytes")
         if size < 4096 or size % 4096:
             raise ConfigError(f"--size-bytes: {size} must be a positive multiple of 4096")
-        if args.procs < 1:
-            raise ConfigError(f"--procs: {args.procs} must be >= 1")
+        if not 1 <= args.procs <= MAX_PROCS:
+            raise ConfigError(f"--procs: {args.procs} must be in [1, {MAX_PROCS}] (processes at once per path)")
         specs = parse_tier_paths(args.paths, flag="--paths")
         checked = validate_tier_paths(specs, flag="--paths", create=False)   # measuring creates no tier dir
         results = calibrate_paths([s.path for s in specs], cache, size_bytes=size, procs=args.procs, force=args.force,

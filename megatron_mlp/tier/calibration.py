@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from megatron_mlp.engine.defaults import DEFAULT_IO_BLOCK_BYTES, DEFAULT_IO_QUEUE_DEPTH
 from megatron_mlp.errors import ConfigError
-from megatron_mlp.tier.calibration_cache import (PathCalibration, cache_error, cache_key, default_cache_path,
-                                                 host_name, load_cache, load_calibration_file, locked_cache,
-                                                 lookup, save_cache, with_fs_identity)
+from megatron_mlp.tier.calibration_cache import (PathCalibration, cache_error, cache_key, check_cache_path,
+                                                 default_cache_path, host_name, load_cache, load_calibration_file,
+                                                 locked_cache, lookup, save_cache, with_fs_identity)
 import megatron_mlp.tier.safe_path as safe_path
 from megatron_mlp.tier.device import device_info
 from megatron_mlp.tier.scratch import CALIBRATE_PREFIX, calibrate_file_name
@@ -32,6 +32,9 @@ from megatron_mlp.tier.spec import TierSpec
 from megatron_mlp.tier.workers import run_workers, worker_mp_context
 
 DEFAULT_SIZE_BYTES = 256 << 20
+MAX_PROCS = 256
+"""Most concurrent processes a calibration runs: more ranks than any node has (they stand for a
+node's ranks sharing a device), and each is a process with an engine."""
 DEFAULT_BYTES_PER_S = 1e9
 """Assumed bandwidth when a path is neither declared nor calibrated (always labelled 'default')."""
 
@@ -254,8 +257,8 @@ def measure_path(path: str, size_bytes: int = DEFAULT_SIZE_BYTES, procs: int = 4
     """
     if size_bytes < 4096 or size_bytes % 4096:
         raise ConfigError(f"--size-bytes: {size_bytes} must be a positive multiple of 4096")
-    if procs < 1:
-        raise ConfigError(f"--procs: {procs} must be >= 1")
+    if not 1 <= procs <= MAX_PROCS:
+        raise ConfigError(f"--procs: {procs} must be in [1, {MAX_PROCS}]")
     check_free_space(path, size_bytes, procs)
     info = device_info(path)
     run_tag = uuid.uuid4().hex[:12]
@@ -296,14 +299,24 @@ def calibrate_paths(paths, cache_path: str | None = None, size_bytes: int = DEFA
     measure = measure or measure_path
     cache_path = cache_path or default_cache_path()
     out = []
-    with locked_cache(cache_path, cache_flag):
-        entries = load_cache(cache_path)
-        changed = False
+
+    def uncached_fit(entries: dict) -> dict:
         cached = {path: None if force else lookup(entries, path) for path in paths}
         if measure is measure_path:
             for path in paths:   # all up front: no path is measured when a later one cannot be
                 if cached[path] is None:
                     check_free_space(path, size_bytes, procs)
+        return cached
+
+    # Every refusal comes before the cache's directory and lock are created, so a refused run
+    # leaves nothing behind; under the lock the cache is read again (another start may have
+    # measured meanwhile) and the free space checked again (it may have shrunk).
+    check_cache_path(cache_path, cache_flag)
+    uncached_fit(load_cache(cache_path))
+    with locked_cache(cache_path, cache_flag):
+        entries = load_cache(cache_path)
+        changed = False
+        cached = uncached_fit(entries)
         for path in paths:
             cal = cached[path]
             if cal is not None:

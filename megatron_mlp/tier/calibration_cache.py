@@ -344,16 +344,27 @@ def cache_error(flag: str, cache_path: str, what: str, e: OSError) -> ConfigErro
     return ConfigError(f"{flag}: cannot use {cache_path} as the calibration cache: {what}: {reason}")
 
 
-@contextlib.contextmanager
-def locked_cache(cache_path: str, flag: str):
-    """Hold the cache's lock; a cache path that cannot be used (a file or /proc on the way, no
-    permission) is a ConfigError naming ``flag`` and the path, not a traceback."""
+def check_cache_path(cache_path: str, flag: str) -> None:
+    """Refuse a cache path that cannot be one (a file on the way, something other than a regular
+    file in its place) without creating anything; the lock then finds what only trying shows.
+
+    Raises:
+        ConfigError: naming ``flag`` and the path.
+    """
     directory = os.path.dirname(os.path.abspath(cache_path))
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ConfigError(f"{flag}: cannot use {cache_path} as the calibration cache: {directory} is not a directory")
     if os.path.lexists(cache_path) and not os.path.isfile(cache_path):
         raise ConfigError(f"{flag}: cannot use {cache_path} as the calibration cache: it exists and is not a "
                           "regular file")
+
+
+@contextlib.contextmanager
+def locked_cache(cache_path: str, flag: str):
+    """Hold the cache's lock; a cache path that cannot be used (a file or /proc on the way, no
+    permission) is a ConfigError naming ``flag`` and the path, not a traceback."""
+    directory = os.path.dirname(os.path.abspath(cache_path))
+    check_cache_path(cache_path, flag)
     try:
         lock = _CacheLock(cache_path)
     except OSError as e:

@@ -123,5 +123,13 @@ def run_workers(ctx, fn, jobs: list[tuple], *, what: str, timeout: float = 600.0
                 p.kill()
                 p.join()
     if errors:
-        raise RuntimeError("; ".join(errors))
+        raise RuntimeError(_summary(errors, len(jobs)))
     return results
+
+
+def _summary(errors: list[str], num_jobs: int) -> str:
+    """Each distinct message once, with how many processes gave it: one short line for many workers."""
+    counts: dict[str, int] = {}
+    for e in errors:
+        counts[e] = counts.get(e, 0) + 1
+    return "; ".join(e if n == 1 else f"{e} ({n} of {num_jobs} processes)" for e, n in counts.items())

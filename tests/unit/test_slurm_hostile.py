@@ -81,7 +81,7 @@ def test_payload_is_refused_naming_its_flag_or_never_runs_when_the_script_runs(f
     rc = slurm.main(argv)
     err = capsys.readouterr().err
     if rc != 0:
-        assert rc == 2 and err.count("\n") == 1 and err.startswith(f"megatron-mlp slurm: {flag}: "), err
+        assert rc == 2 and err.count("\n") == 1 and err.startswith(f"megatron-mlp slurm: error: {flag}: "), err
         assert not script.exists()
     else:
         proc = _run(script, tmp_path, bin_dir, scheduler)
@@ -149,7 +149,7 @@ def test_tier_paths_of_the_job_are_absolute_printable_and_expand_only_allowed_re
     argv = ["--megatron-path", "/m", "--nvme-path", "/n", "--pfs-path", "/p", flag, value]
     assert slurm.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"megatron-mlp slurm: {flag}: ") and err.count("\n") == 1, err
+    assert err.startswith(f"megatron-mlp slurm: error: {flag}: ") and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("flag,value", [("--nvme-bw", "fast"), ("--nvme-bw", "6GB/s'"), ("--nvme-bw", "11TB/s"),

@@ -26,3 +26,11 @@ def test_a_worker_that_does_not_report_in_time_is_named_and_reaped():
     with pytest.raises(RuntimeError, match="a test process did not report in time"):
         run_workers(CTX, time.sleep, [(3,)], what="test", timeout=0.1)
     assert not multiprocessing.active_children()   # joined (or killed), never left behind
+
+
+def test_the_same_failure_of_many_workers_is_reported_once_with_its_count():
+    with pytest.raises(RuntimeError) as exc:
+        run_workers(CTX, int, [("x",)] * 3 + [("y",)], what="test")
+    text = str(exc.value)
+    assert text.count("invalid literal for int() with base 10: 'x'") == 1 and "(3 of 4 processes)" in text
+    assert text.count("'y'") == 1

@@ -154,7 +154,7 @@ def make_plan(args) -> dict:
         raise ConfigError(f"--ranks-per-node: {args.ranks_per_node} must be >= 1")
     if args.nodes < 1:
         raise ConfigError(f"--nodes: {args.nodes} must be >= 1")
-    dp = args.data_parallel_size or args.ranks_per_node * args.nodes
+    dp = args.ranks_per_node * args.nodes if args.data_parallel_size is None else args.data_parallel_size
     if dp < 1:
         raise ConfigError(f"--data-parallel-size: {dp} must be >= 1")
     host_cache = parse_size(args.host_cache_bytes, "--host-cache-bytes", "size")
