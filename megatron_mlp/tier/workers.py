@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import signal
 import threading
 import time
@@ -68,7 +69,41 @@ def _ensure_fork_server(ctx) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
 
 
-def _report(queue, fn, args) -> None:
+WORKER_NAME = b"mlp-worker"   # the workers' name in ps and /proc/<pid>/comm
+
+
+def _owner_gone(owner: int) -> bool:
+    """The process that started the run is gone (or a zombie: killed, not yet reaped)."""
+    try:
+        with open(f"/proc/{owner}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _die_with_owner(owner: int) -> None:
+    """A worker ends when the process that started the run dies, however it dies: a ``calibrate``
+    killed by SIGKILL must leave no worker running on (each holds its buffers, about 150 MB, and
+    waits on a barrier no one will reach). Its parent may be the forkserver, which outlives the
+    owner, so a daemon thread watches the owner itself (Linux /proc; elsewhere nothing)."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(15, WORKER_NAME)   # 15: PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+    if not os.path.isdir("/proc/self"):
+        return
+
+    def watch():
+        while not _owner_gone(owner):
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="mlp-worker-owner-watch", daemon=True).start()
+
+
+def _report(queue, fn, args, owner: int) -> None:
+    _die_with_owner(owner)
     # The parent owns the run: a Ctrl-C that reaches the whole process group is the parent's to
     # act on (it terminates its workers), and its SIGTERM ends a worker silently.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -97,7 +132,7 @@ def run_workers(ctx, fn, jobs: list[tuple], *, what: str, timeout: float = 600.0
     try:
         with _stop_signals_deferred():   # all started, or (an error) those started are stopped below
             for job in jobs:
-                procs.append(ctx.Process(target=_report, args=(queue, fn, job)))
+                procs.append(ctx.Process(target=_report, args=(queue, fn, job, os.getpid())))
                 procs[-1].start()
         deadline = time.monotonic() + timeout
         for _ in procs:

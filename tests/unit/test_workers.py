@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import time
 
 import pytest
@@ -34,3 +35,51 @@ def test_the_same_failure_of_many_workers_is_reported_once_with_its_count():
     text = str(exc.value)
     assert text.count("invalid literal for int() with base 10: 'x'") == 1 and "(3 of 4 processes)" in text
     assert text.count("'y'") == 1
+
+
+def _processes_with(marker: str, comm: str | None = None) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                mine = marker.encode() in f.read()
+            with open(f"/proc/{pid}/comm") as f:
+                named = comm is None or f.read().strip() == comm
+        except OSError:
+            continue
+        if mine and named:
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_die_with_their_parent_when_it_is_killed(tmp_path):
+    import signal
+    import subprocess
+    import time
+    import uuid
+    marker = f"MLP_WORKERS_TEST={uuid.uuid4().hex}"
+    script = ("import time\nfrom megatron_mlp.tier.workers import run_workers, worker_mp_context\n"
+              "print('start', flush=True)\n"
+              "run_workers(worker_mp_context([]), time.sleep, [(120,), (120,)], what='sleep')\n")
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
+    p = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "start"
+        deadline = time.monotonic() + 60
+        while len(_processes_with(marker, "mlp-worker")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(_processes_with(marker, "mlp-worker")) == 2, "the workers never started"
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        p.stdout.close()
+    deadline = time.monotonic() + 30
+    while _processes_with(marker, "mlp-worker") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _processes_with(marker, "mlp-worker")
+    for pid in _processes_with(marker):   # the workers, and the fork server and resource tracker
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], "workers outlived the killed parent"
