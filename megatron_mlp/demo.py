@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -198,11 +199,11 @@ def _run(label, spec, mlp_config, iters, log, inner_factory=None):
     offload.close()
     del opt, model, offload
     steady = iter_s[1:] if len(iter_s) > 1 else iter_s  # the first iteration writes the initial state
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    # Medians: a 2-core machine shared with anything else has outlier iterations.
     keys = sorted({k for p in phases[1:] or phases for k in p})
-    breakdown = {k: mean([p.get(k, 0.0) for p in (phases[1:] or phases)]) for k in keys}
+    breakdown = {k: statistics.median([p.get(k, 0.0) for p in (phases[1:] or phases)]) for k in keys}
     torch.distributed.barrier()
-    return {"losses": losses, "iter_s": mean(steady), "breakdown": breakdown, "host_bytes": host_bytes,
+    return {"losses": losses, "iter_s": statistics.median(steady), "breakdown": breakdown, "host_bytes": host_bytes,
             "staging_bytes": staging}
 
 
@@ -216,7 +217,7 @@ def policy_host_bytes(offload) -> int:
 
 
 def headline(r_mlp: dict, r_base: dict) -> dict:
-    """The figures the demo leads with, from the two runs' steady-state means.
+    """The figures the demo leads with, from the two runs' steady-state medians.
 
     ``*_update_s``: the optimizer step's ``update`` phase; the baseline's excludes its fp32
     gradient write (ZeRO-3 does that during backward), reported as ``baseline_grad_write_s`` and
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         log("")
         for line in headline_lines(result):
             log(line)
-        log("\nphase breakdown (mean s/iteration after the first):")
+        log("\nphase breakdown (median s/iteration after the first):")
         for k in sorted(set(r_mlp["breakdown"]) | set(r_base["breakdown"])):
             if k.startswith("bytes"):
                 continue
