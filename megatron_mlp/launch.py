@@ -22,7 +22,7 @@ directory first on ``sys.path``, ``__name__ == "__main__"``), after:
    (rank 0 only, as Megatron does it) builds ``helpers.cpp`` with the running interpreter's suffix
    and includes instead, where that build is missing or older than its source; where it cannot be
    built (no pybind11, no C++ compiler) every rank stops before Megatron starts, with one line
-   saying what to run.
+   saying what to run (a patched script stops with that line on rank 0, at the compile step).
 
 Nothing in the checkout is modified but that helper, which Megatron itself builds there. Without
 ``--mlp-offload`` the script runs exactly as before, the helper's build aside.
