@@ -190,10 +190,11 @@ def build_dataset_helper(directory: str, log=None) -> str | None:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+            lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+            # The compiler's first error says most ("compilation terminated." closes many).
+            errors = [ln for ln in lines if "error" in ln.lower()] or lines[-1:] or [f"exit {proc.returncode}"]
             shown = shlex.join(cmd[:-1] + [target])
-            raise DatasetHelperError(f"building {target} failed ({lines[-1] if lines else f'exit {proc.returncode}'}): "
-                                     f"run `{shown}` and fix what it reports")
+            raise DatasetHelperError(f"building {target} failed ({errors[0]}): run `{shown}` and fix what it reports")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
