@@ -13,16 +13,30 @@ directory first on ``sys.path``, ``__name__ == "__main__"``), after:
 2. a pre-flight check of the ``--mlp-offload*`` values, so a typo fails in a second on every rank
    instead of after model construction;
 3. the hooks of :mod:`megatron_mlp.megatron.hooks` (flags in Megatron's parser, the optimizer
-   factory, the timer log).
+   factory, the timer log);
+4. Megatron's dataset index helper built for *this* interpreter (:func:`build_dataset_helper`).
+   Megatron-LM's start-up compile step runs ``make`` in ``megatron/core/datasets``, whose Makefile
+   asks ``python3-config`` for the extension suffix: in a venv without ``python3-config``, or where a
+   pyenv shim answers for the checkout's ``.python-version``, it builds ``helpers_cpp`` for another
+   Python and rank 0 dies with ``No module named 'megatron.core.datasets.helpers_cpp'``. That step
+   (rank 0 only, as Megatron does it) builds ``helpers.cpp`` with the running interpreter's suffix
+   and includes instead, where that build is missing or older than its source; where it cannot be
+   built (no pybind11, no C++ compiler) every rank stops before Megatron starts, with one line
+   saying what to run (a patched script stops with that line on rank 0, at the compile step).
 
-Nothing in the checkout is modified. Without ``--mlp-offload`` the script runs exactly as before.
+Nothing in the checkout is modified but that helper, which Megatron itself builds there. Without
+``--mlp-offload`` the script runs exactly as before, the helper's build aside.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import runpy
+import shlex
+import shutil
+import subprocess
 import sys
+import sysconfig
 
 from megatron_mlp.errors import ConfigError
 from megatron_mlp.megatron.arguments import add_mlp_offload_args, config_from_args, cpu_requested
@@ -88,6 +102,143 @@ def set_cuda_connections(script_args: list[str], environ=None) -> bool:
     return False
 
 
+HELPER_SOURCE = "helpers.cpp"
+HELPER_MODULE = "helpers_cpp"
+
+
+class DatasetHelperError(ConfigError):
+    """Megatron's dataset helper cannot be built for this interpreter; says what to run."""
+
+
+def datasets_dir(checkout: str) -> str:
+    """Where a Megatron-LM checkout keeps its dataset index helper."""
+    return os.path.join(checkout, "megatron", "core", "datasets")
+
+
+def helper_target(directory: str) -> str:
+    """The file this interpreter imports ``helpers_cpp`` from, in ``directory``."""
+    return os.path.join(directory, HELPER_MODULE + sysconfig.get_config_var("EXT_SUFFIX"))
+
+
+def helper_needs_build(directory: str) -> bool:
+    """Whether ``directory`` holds the helper's source and Makefile (a checkout whose start-up
+    compiles it) and no build of it for this interpreter as new as the source."""
+    src = os.path.join(directory, HELPER_SOURCE)
+    if not (os.path.isfile(src) and os.path.isfile(os.path.join(directory, "Makefile"))):
+        return False
+    target = helper_target(directory)
+    return not os.path.isfile(target) or os.path.getmtime(target) < os.path.getmtime(src)
+
+
+def other_helper_builds(directory: str) -> list[str]:
+    """Builds of the helper in ``directory`` for other interpreters (file names)."""
+    mine = os.path.basename(helper_target(directory))
+    return sorted(f for f in os.listdir(directory)
+                  if f.startswith(HELPER_MODULE + ".") and f.endswith(".so") and f != mine)
+
+
+def _pybind11_include() -> str:
+    import pybind11
+
+    return pybind11.get_include()
+
+
+def helper_build_command(directory: str, output: str) -> list[str]:
+    """The compiler call of Megatron's dataset Makefile, with this interpreter's includes.
+
+    Raises:
+        DatasetHelperError: pybind11 is not installed for this interpreter, or no C++ compiler
+            (``$CXX``, else ``c++``) is on ``PATH``; the message says what to install.
+    """
+    what = f"Megatron's dataset helper {helper_target(directory)} is missing or out of date"
+    try:
+        pybind11_include = _pybind11_include()
+    except ImportError:
+        raise DatasetHelperError(f"{what} and pybind11, needed to build it, is not installed for "
+                                 f"{sys.executable}: run `{sys.executable} -m pip install pybind11`, "
+                                 "then start again") from None
+    cxx = shlex.split(os.environ.get("CXX") or "c++")
+    if not cxx or shutil.which(cxx[0]) is None:
+        raise DatasetHelperError(f"{what} and the C++ compiler to build it, {cxx[0] if cxx else 'CXX'!r}, is "
+                                 "not on PATH: install one (g++) or set CXX, then start again")
+    includes = [pybind11_include] + sorted({sysconfig.get_paths()["include"], sysconfig.get_paths()["platinclude"]})
+    return cxx + ["-O3", "-Wall", "-shared", "-std=c++17", "-fPIC", *[f"-I{d}" for d in includes],
+                  os.path.join(directory, HELPER_SOURCE), "-o", output]
+
+
+def build_dataset_helper(directory: str, log=None) -> str | None:
+    """Build Megatron's dataset index helper in ``directory`` for this interpreter where
+    :func:`helper_needs_build` says so: compiled to a temporary name, then renamed into place, so
+    no process imports a half-written file.
+
+    Returns:
+        The path built, or None when there was nothing to build.
+
+    Raises:
+        DatasetHelperError: it cannot be built; the message says what to run.
+    """
+    if not helper_needs_build(directory):
+        return None
+    target = helper_target(directory)
+    tmp = f"{target}.tmp-{os.getpid()}"
+    cmd = helper_build_command(directory, tmp)
+    others = other_helper_builds(directory)
+    if log is not None:
+        found = f" (found {', '.join(others)}, built for another Python)" if others else ""
+        log(f"megatron_mlp.launch: building Megatron's dataset helper for {sys.executable}: "
+            f"{os.path.basename(target)}{found}")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+            # The compiler's first error says most ("compilation terminated." closes many).
+            errors = [ln for ln in lines if "error" in ln.lower()] or lines[-1:] or [f"exit {proc.returncode}"]
+            shown = shlex.join(cmd[:-1] + [target])
+            raise DatasetHelperError(f"building {target} failed ({errors[0]}): run `{shown}` and fix what it reports")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def check_dataset_helper(script: str) -> None:
+    """Before Megatron starts: where the checkout of ``script`` needs its dataset helper built,
+    that it can be (pybind11 and a compiler are here).
+
+    Raises:
+        DatasetHelperError: naming what to install.
+    """
+    directory = datasets_dir(os.path.dirname(os.path.abspath(script)))
+    if helper_needs_build(directory):
+        helper_build_command(directory, helper_target(directory))
+
+
+def patch_dataset_helper_build() -> None:
+    """Make Megatron-LM's start-up compile step (``megatron.core.datasets.utils.compile_helpers``,
+    called on rank 0) build the helper for this interpreter (:func:`build_dataset_helper`); a
+    failure ends the process with one line on stderr. A Megatron without it is left alone."""
+    try:
+        from megatron.core.datasets import utils
+    except ImportError:
+        return
+    stock = getattr(utils, "compile_helpers", None)
+    if stock is None or getattr(stock, "_mlp_offload_helper_build", False):
+        return
+
+    def compile_helpers():
+        directory = os.path.dirname(os.path.abspath(utils.__file__))
+        try:
+            build_dataset_helper(directory, log=lambda msg: print(msg, flush=True))
+        except DatasetHelperError as exc:
+            print(f"megatron_mlp.launch: {exc}", file=sys.stderr, flush=True)
+            sys.exit(1)
+
+    compile_helpers._mlp_offload_helper_build = True
+    compile_helpers.__doc__ = stock.__doc__
+    utils.compile_helpers = compile_helpers
+
+
 def run_script(script: str, script_args: list[str]) -> None:
     """Run ``script`` as ``python script args`` would, in this process."""
     script = os.path.abspath(script)
@@ -116,6 +267,7 @@ def install(argv: list[str] | None = None) -> None:
     from megatron_mlp.megatron import hooks
 
     hooks.install(argv)
+    patch_dataset_helper_build()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
         preflight(script_args)
+        check_dataset_helper(script)
     except ConfigError as exc:
         print(f"megatron_mlp.launch: {exc}", file=sys.stderr)
         return 2

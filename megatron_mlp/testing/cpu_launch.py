@@ -117,8 +117,9 @@ def _patch_megatron(patch) -> None:
     from megatron_mlp.testing.moe import patch_moe_without_te
 
     patch_moe_without_te()
-    # Not skipped: initialize.py's `make` of the dataset index helper (compile_helpers). Mock data
-    # indexes its samples with that helper too, and building it is what every GPU run does.
+    # Not skipped: initialize.py's build of the dataset index helper (compile_helpers). Mock data
+    # indexes its samples with that helper too, and building it is what every GPU run does; the
+    # launcher builds it for the running interpreter (megatron_mlp.launch.build_dataset_helper).
 
 
 def installed() -> bool:

@@ -10,6 +10,12 @@ optimizer, our timers are logged, --save writes a checkpoint, --load resumes it,
 iterations match an uninterrupted run of our optimizer (grad norms of every resumed iteration,
 losses except the second after --load, whose *logged* value Megatron-LM >= 0.16 computes
 differently after a load even for stock checkpoints), and the tier scratch is removed at exit.
+
+The state streams through the tiers in every iteration: 4096-element subgroups give each rank
+about 15, three times what the optimizer's pool holds by default (5 buffers), so every step reads
+and writes the others. Each run's per-iteration tier line (``megatron_mlp: last 1 iterations, this
+rank: PATH read X, wrote Y; ...``) must show both tiers reading and writing in every iteration
+after its first.
 """
 from __future__ import annotations
 
@@ -47,6 +53,36 @@ def _vocab_args() -> list[str]:
 
 
 ITER_RE = re.compile(r"iteration +(\d+)/ *\d+ .*lm loss: ([0-9.E+-]+) .*grad norm: ([0-9.]+)")
+TIER_LINE_RE = re.compile(r"^megatron_mlp: last 1 iterations, this rank: (.*)$", re.M)
+TIER_PART_RE = re.compile(r"^(.*) read ([0-9.]+) ([kMGT]?B), wrote ([0-9.]+) ([kMGT]?B)$")
+UNITS = {"B": 1, "kB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+SUBGROUP_SIZE = "4096"
+
+
+def tier_bytes_per_iteration(out: str) -> list[dict[str, tuple[float, float]]]:
+    """Rank 0's per-iteration tier lines (--log-interval 1), in order: {tier path: (read, written)}."""
+    lines = []
+    for m in TIER_LINE_RE.finditer(out):
+        moved = {}
+        for part in m.group(1).split("; "):
+            p = TIER_PART_RE.match(part.strip())
+            assert p, f"unreadable tier figure {part!r}"
+            moved[p.group(1)] = (float(p.group(2)) * UNITS[p.group(3)], float(p.group(4)) * UNITS[p.group(5)])
+        lines.append(moved)
+    return lines
+
+
+def assert_streams_every_iteration(out: str, iterations: int, tiers) -> None:
+    """Both tiers read and wrote in every iteration of the run after its first: the run's last
+    ``iterations - 1`` tier lines (a fresh run's first iteration logs no line of its own: its
+    bytes are in the second's) each name both tiers with bytes read and written."""
+    moved = tier_bytes_per_iteration(out)
+    assert len(moved) in (iterations - 1, iterations), f"{len(moved)} tier lines for {iterations} iterations"
+    for k, figures in enumerate(moved[len(moved) - (iterations - 1):], start=2):
+        assert sorted(figures) == sorted(str(t) for t in tiers), figures
+        for tier in tiers:
+            read, written = figures[str(tier)]
+            assert read > 0 and written > 0, f"iteration {k} of the run: {tier} did not stream ({figures})"
 
 
 def _torchrun(script: str, args: list[str], tmp: Path, launcher: bool,
@@ -71,20 +107,23 @@ def _tiers(tmp: Path) -> tuple[Path, Path]:
 def _offload_args(tmp: Path) -> list[str]:
     a, b = _tiers(tmp)
     return ["--mlp-offload", "--mlp-offload-cpu", "--mlp-offload-paths", f"{a};{b}",
-            "--mlp-offload-subgroup-size", "20000", "--mlp-offload-calibration", "off"]
+            "--mlp-offload-subgroup-size", SUBGROUP_SIZE, "--mlp-offload-calibration", "off"]
 
 
 def _save_resume_and_compare(script: str, tmp: Path, launcher: bool) -> None:
     ckpt = tmp / "ckpt"
     offload = _offload_args(tmp)
-    _, full = _torchrun(script, offload, tmp, launcher)
+    full_out, full = _torchrun(script, offload, tmp, launcher)
+    assert_streams_every_iteration(full_out, 8, _tiers(tmp))
     first_out, first = _torchrun(script, offload + ["--save", str(ckpt), "--save-interval", "4",
                                                     "--exit-interval", "4"], tmp, launcher)
     assert sorted(first) == [1, 2, 3, 4]
+    assert_streams_every_iteration(first_out, 4, _tiers(tmp))
     assert "optimizer-mlp-offload-update" in first_out, "our timers must be in the training log"
     assert "successfully saved checkpoint from iteration       4" in first_out
     resume_out, resumed = _torchrun(script, offload + ["--load", str(ckpt)], tmp, launcher)
     assert "successfully loaded checkpoint" in resume_out and sorted(resumed) == [5, 6, 7, 8]
+    assert_streams_every_iteration(resume_out, 4, _tiers(tmp))
     assert {i: first[i] for i in first} == {i: full[i] for i in first}
     assert {i: resumed[i][1] for i in resumed} == {i: full[i][1] for i in resumed}, "grad norms after resume"
     assert {i: resumed[i][0] for i in (5, 7, 8)} == {i: full[i][0] for i in (5, 7, 8)}, "losses after resume"
@@ -121,6 +160,7 @@ def test_pipeline_parallel_matches_stock_and_resumes(tmp_path):
     ours_out, ours = _torchrun(script, offload, tmp_path, launcher=True)
     assert "optimizer-mlp-offload-update" in ours_out, "the offloading optimizer must have run"
     assert sorted(stock) == list(range(1, 9)) and ours == stock
+    assert_streams_every_iteration(ours_out, 8, _tiers(tmp_path))
     ckpt = tmp_path / "ckpt"
     _torchrun(script, offload + ["--save", str(ckpt), "--save-interval", "4", "--exit-interval", "4"],
               tmp_path, launcher=True)
