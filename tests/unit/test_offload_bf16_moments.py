@@ -204,3 +204,21 @@ def test_resume_from_a_bf16_moment_checkpoint_is_bitwise_when_the_layout_changes
             other.step(g)
             ref.step(g)
         assert_state_equal(other, ref)
+
+
+# ----------------------------------------------------------------------------- plan agrees
+
+def test_plan_with_bf16_state_counts_8_bytes_per_param_as_the_optimizer_stores_them(capsys, tmp_path):
+    import json
+
+    from megatron_mlp.cli import main as cli_main
+    (tmp_path / "t").mkdir()
+    sizes = {}
+    for dtype in ("fp32", "bf16"):
+        assert cli_main(["plan", "--paths", f"{tmp_path}/t:bw=2GB/s", "--num-params", "314572800",
+                         "--subgroup-params", "10485760", "--ranks-per-node", "1", "--calibration", "off", "--working-buffers", "0",
+                         "--state-dtype", dtype, "--json"]) == 0
+        sizes[dtype] = json.loads(capsys.readouterr().out)["config"]
+    n = 30 * 10485760   # whole subgroups of whole pages: no padding at either dtype
+    assert sizes["fp32"]["state_bytes_per_rank"] == sizes["fp32"]["stored_bytes_per_rank"] == 12 * n
+    assert sizes["bf16"]["state_bytes_per_rank"] == sizes["bf16"]["stored_bytes_per_rank"] == 8 * n
