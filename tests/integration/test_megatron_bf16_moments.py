@@ -63,6 +63,21 @@ def bf16_moment_train(rank, world_size, spec, mlp_config, iters, inner_factory=N
     return losses, gpt.model_params(model), stored
 
 
+def bf16_moment_checkpoint_run(rank, world_size, spec, mlp_config, iters_before, iters_after, ckpt_dir, mode):
+    """runs.checkpoint_run (torch_dist, dp_reshardable) with the moment dtypes set to bf16."""
+    from megatron_mlp.testing import runs
+
+    make = gpt.optimizer_config
+
+    def with_bf16_moments(spec, **overrides):
+        cfg = make(spec, **overrides)
+        cfg.exp_avg_dtype = cfg.exp_avg_sq_dtype = torch.bfloat16
+        return cfg
+
+    gpt.optimizer_config = with_bf16_moments
+    return runs.checkpoint_run(rank, world_size, spec, 1, mlp_config, iters_before, iters_after, ckpt_dir, mode)
+
+
 def _config(tmp_path, **kw):
     return MLPOffloadConfig.from_paths(str(tmp_path), calibration="off", subgroup_params=20_480, **kw)
 
@@ -99,3 +114,16 @@ def test_precision_aware_optimizer_with_bf16_moments_selects_bf16_moments():
 def test_16_bit_state_the_tier_does_not_store_is_refused_at_start_naming_the_flag_and_why(fields, match):
     with pytest.raises(ValueError, match=match):
         refuse_unsupported_config(SimpleNamespace(use_precision_aware_optimizer=True, **fields), [])
+
+
+def test_resume_from_a_torch_dist_checkpoint_with_bf16_moments_is_bitwise_when_dp_is_2(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_distributed(bf16_moment_checkpoint_run, 2, SPEC, _config(tmp_path / "a"), 3, 3, ckpt, "save")
+    loaded = run_distributed(bf16_moment_checkpoint_run, 2, SPEC, _config(tmp_path / "b"), 3, 3, ckpt, "load")
+    for (losses, params, _), (ref_losses, ref_params, state) in zip(loaded, saved):
+        assert losses == ref_losses
+        for name in params:
+            assert torch.equal(params[name], ref_params[name]), name
+        for name, tensors in state.items():   # what the checkpoint holds: fp32 tensors of bf16 values
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(tensors[key], tensors[key].bfloat16().float()), (name, key)
