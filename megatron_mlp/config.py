@@ -21,6 +21,8 @@ from megatron_mlp.units import format_size
 
 ORDER_POLICIES = ("alternate", "ascending")
 GRAD_TRANSFERS = ("auto", "bf16")
+MOMENT_DTYPES = ("fp32", "bf16")
+"""What the tiers store Adam's moments in (the param, the master copy, is fp32 either way)."""
 BACKENDS = ("auto", "io_uring", "threads")
 CALIBRATION_MODES = ("auto", "off")  # or a path to a calibration JSON file
 _JOB_ID_RE = re.compile(r"[A-Za-z0-9_.+-]{1,64}")   # fullmatch: '$' would let a trailing newline through
@@ -38,9 +40,15 @@ MAX_IO_TIMEOUT_S = 30 * 86400.0
 """--mlp-offload-io-timeout: 30 days. A request stuck that long has failed; far above, the engine's
 wait deadline overflows its clock and the wait ends at once (1e300 s timed out immediately)."""
 
-# A subgroup is stored as three fp32 arrays, each padded to a 4096-byte page (optim/subgroups.py:
+# A subgroup is stored as three arrays (the fp32 param, the moments fp32 or bf16), each padded to
+# the same count of elements, a multiple of 4096 bytes of the narrowest (optim/subgroups.py:
 # Subgroup.region_bytes), in two slots on its tier.
 _PAGE_PARAMS = 4096 // 4
+_MOMENT_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def _page_params(moment_dtype: str = "fp32") -> int:
+    return 4096 // min(4, _MOMENT_BYTES[moment_dtype])
 SUBGROUP_PADDING_BOUND = 0.10
 """The most padding a subgroup size may add to the state it stores, as a fraction of it. Padding is
 reserved twice on the tier, read and written every step and held in every host buffer, so it costs
@@ -50,41 +58,51 @@ multiple of 1024 (no padding at all) usable; 1 param per subgroup would reserve 
 state."""
 
 
-def subgroup_padding_fraction(subgroup_params: int) -> float:
+def state_bytes_per_param(moment_dtype: str = "fp32") -> int:
+    """Stored bytes per param: the fp32 master and the two moments (12, or 8 with bf16 moments)."""
+    return 4 + 2 * _MOMENT_BYTES[moment_dtype]
+
+
+def subgroup_padding_fraction(subgroup_params: int, moment_dtype: str = "fp32") -> float:
     """Padding per subgroup of ``subgroup_params`` params, as a fraction of its state."""
-    padded = -(-subgroup_params // _PAGE_PARAMS) * _PAGE_PARAMS
+    page = _page_params(moment_dtype)
+    padded = -(-subgroup_params // page) * page
     return (padded - subgroup_params) / subgroup_params
 
 
-def smallest_sensible_subgroup_params(bound: float = SUBGROUP_PADDING_BOUND) -> int:
-    """The smallest size from which on every size pads at most ``bound``: from ``1023 / bound`` on
-    all do (the worst padding, 1023 params per array, falls one above a multiple of 1024), and the
-    sizes just below it that do too."""
-    size = math.ceil((_PAGE_PARAMS - 1) / bound)
-    while size > 1 and subgroup_padding_fraction(size - 1) <= bound:
+def smallest_sensible_subgroup_params(bound: float = SUBGROUP_PADDING_BOUND, moment_dtype: str = "fp32") -> int:
+    """The smallest size from which on every size pads at most ``bound``: from ``(page - 1) / bound``
+    on all do (the worst padding, page - 1 params per array, falls one above a multiple of the page:
+    1024 params, 2048 with bf16 moments), and the sizes just below it that do too."""
+    size = math.ceil((_page_params(moment_dtype) - 1) / bound)
+    while size > 1 and subgroup_padding_fraction(size - 1, moment_dtype) <= bound:
         size -= 1
     return size
 
 
-def check_subgroup_size(subgroup_params: int, flag: str = "--mlp-offload-subgroup-size") -> None:
+def check_subgroup_size(subgroup_params: int, flag: str = "--mlp-offload-subgroup-size",
+                        moment_dtype: str = "fp32") -> None:
     """Refuse a subgroup size whose page padding adds more than :data:`SUBGROUP_PADDING_BOUND` to
     the state, naming ``flag``, the cost, and the smallest sensible size.
 
     Raises:
         ConfigError: the size pads too much.
     """
-    fraction = subgroup_padding_fraction(subgroup_params)
+    fraction = subgroup_padding_fraction(subgroup_params, moment_dtype)
     if fraction <= SUBGROUP_PADDING_BOUND:
         return
-    state = 12 * subgroup_params
-    stored = 12 * (-(-subgroup_params // _PAGE_PARAMS) * _PAGE_PARAMS)
+    page = _page_params(moment_dtype)
+    per_param = state_bytes_per_param(moment_dtype)
+    state = per_param * subgroup_params
+    stored = per_param * (-(-subgroup_params // page) * page)
+    arrays = "three fp32 arrays" if moment_dtype == "fp32" else f"three arrays (fp32 param, {moment_dtype} moments)"
     raise ConfigError(
-        f"{flag}: {subgroup_params:,} params per subgroup pad each of its three fp32 arrays to a 4096-byte "
+        f"{flag}: {subgroup_params:,} params per subgroup pad each of its {arrays} to a 4096-byte "
         f"page: {stored:,} bytes stored for {state:,} bytes of state ({2 * stored:,} reserved in two slots on a "
         f"tier, {stored / state:.3g}x the state); at most {SUBGROUP_PADDING_BOUND:.0%} of padding is accepted. "
         f"Use a multiple "
-        f"of 1024 params (no padding) or at least {smallest_sensible_subgroup_params():,} (at most "
-        f"{SUBGROUP_PADDING_BOUND:.0%}); 100M is typical")
+        f"of {page} params (no padding) or at least {smallest_sensible_subgroup_params(moment_dtype=moment_dtype):,} "
+        f"(at most {SUBGROUP_PADDING_BOUND:.0%}); 100M is typical")
 
 
 @dataclass(frozen=True)
@@ -160,6 +178,12 @@ class MLPOffloadConfig:
     bf16 on the GPU right before the copy (one rounding after fp32 accumulation and reduction):
     half the bytes leave the GPU and sit in host memory. Megatron-LM's --bf16 reduces in fp32
     unless --grad-reduce-in-bf16 is given."""
+    moment_dtype: str = "fp32"
+    """No flag of its own: Megatron's --use-precision-aware-optimizer with --exp-avg-dtype bf16 and
+    --exp-avg-sq-dtype bf16 sets 'bf16' (megatron/arguments.py reads them where the optimizer is
+    built). What the tiers store Adam's moments in: 'fp32' (12 bytes per param with the fp32
+    master) or 'bf16' (8: each step moves a third fewer bytes). The kernel's arithmetic is fp32
+    either way; bf16 moments are rounded to nearest even when stored, as stock stores them."""
     trace_dir: str | None = None
     """--mlp-offload-trace: directory where each rank writes a Chrome trace (Perfetto) of the steps in
     ``trace_steps``: one span per tier fetch / write-back, token wait, kernel call and copy. None: off."""
@@ -191,7 +215,10 @@ class MLPOffloadConfig:
         if not self.tiers:
             raise ConfigError("--mlp-offload-paths: at least one storage path is required")
         _positive("--mlp-offload-subgroup-size", self.subgroup_params)
-        check_subgroup_size(self.subgroup_params)
+        if self.moment_dtype not in MOMENT_DTYPES:
+            raise ConfigError(f"--exp-avg-dtype / --exp-avg-sq-dtype: moments in {self.moment_dtype!r} are not "
+                              f"supported; one of {', '.join(MOMENT_DTYPES)}")
+        check_subgroup_size(self.subgroup_params, moment_dtype=self.moment_dtype)
         _non_negative("--mlp-offload-host-memory", self.host_memory_bytes)
         _non_negative("host_cache_bytes", self.host_cache_bytes)
         if self.host_memory_bytes and self.host_cache_bytes:

@@ -116,20 +116,36 @@ static bool valid_dtype(DType dt) {
     return dt == DType::kFloat32 || dt == DType::kBFloat16 || dt == DType::kFloat16;
 }
 
-int adam_update_range(Isa isa, const AdamScalars& s, float* param, float* exp_avg, float* exp_avg_sq,
-                      const void* grad, DType grad_dtype, void* out, DType out_dtype, std::size_t n) {
+bool moment_dtype_supported(DType dt) { return dt == DType::kFloat32 || dt == DType::kBFloat16; }
+
+int adam_update_range(Isa isa, const AdamScalars& s, float* param, void* exp_avg, void* exp_avg_sq,
+                      const void* grad, DType grad_dtype, void* out, DType out_dtype, std::size_t n,
+                      DType moment_dtype) {
     if (!valid_dtype(grad_dtype) || !valid_dtype(out_dtype) || !isa_supported(isa)) return -EINVAL;
+    if (!moment_dtype_supported(moment_dtype)) return -EINVAL;
     if (n == 0) return 0;
     if (!param || !exp_avg || !exp_avg_sq || !grad) return -EINVAL;
+    if (moment_dtype == DType::kBFloat16) {
+        auto* m = static_cast<std::uint16_t*>(exp_avg);
+        auto* v = static_cast<std::uint16_t*>(exp_avg_sq);
+        switch (isa) {
+            case Isa::kAvx512: detail::adam_avx512_m16(s, param, m, v, grad, grad_dtype, out, out_dtype, n); break;
+            case Isa::kAvx2: detail::adam_avx2_m16(s, param, m, v, grad, grad_dtype, out, out_dtype, n); break;
+            default: detail::adam_scalar_m16(s, param, m, v, grad, grad_dtype, out, out_dtype, n); break;
+        }
+        return 0;
+    }
+    auto* m = static_cast<float*>(exp_avg);
+    auto* v = static_cast<float*>(exp_avg_sq);
     switch (isa) {
         case Isa::kAvx512:
-            detail::adam_avx512(s, param, exp_avg, exp_avg_sq, grad, grad_dtype, out, out_dtype, n);
+            detail::adam_avx512(s, param, m, v, grad, grad_dtype, out, out_dtype, n);
             break;
         case Isa::kAvx2:
-            detail::adam_avx2(s, param, exp_avg, exp_avg_sq, grad, grad_dtype, out, out_dtype, n);
+            detail::adam_avx2(s, param, m, v, grad, grad_dtype, out, out_dtype, n);
             break;
         default:
-            detail::adam_scalar(s, param, exp_avg, exp_avg_sq, grad, grad_dtype, out, out_dtype, n);
+            detail::adam_scalar(s, param, m, v, grad, grad_dtype, out, out_dtype, n);
             break;
     }
     return 0;
@@ -289,34 +305,38 @@ static void piece(std::size_t n, int k, int t, std::size_t* begin, std::size_t* 
     *end = std::min(n, c1 * kChunkElems);
 }
 
-int CpuAdam::step(const AdamHyper& hyper, float* param, float* exp_avg, float* exp_avg_sq, const void* grad,
+int CpuAdam::step(const AdamHyper& hyper, float* param, void* exp_avg, void* exp_avg_sq, const void* grad,
                   DType grad_dtype, void* out, DType out_dtype, std::size_t n, int num_threads,
-                  std::uint32_t* crcs, std::uint32_t* in_crcs) {
+                  std::uint32_t* crcs, std::uint32_t* in_crcs, DType moment_dtype) {
     AdamScalars s;
     if (int rc = make_adam_scalars(hyper, sqrt_mode_, &s); rc < 0) return rc;
     if (!valid_dtype(grad_dtype) || !valid_dtype(out_dtype)) return -EINVAL;
+    if (!moment_dtype_supported(moment_dtype)) return -EINVAL;
     if (n == 0) return 0;
     if (!param || !exp_avg || !exp_avg_sq || !grad) return -EINVAL;
     const int k = plan_tasks(n, num_threads);
     const Isa isa = isa_;
-    const std::size_t gb = dtype_bytes(grad_dtype), ob = dtype_bytes(out_dtype);
+    const std::size_t gb = dtype_bytes(grad_dtype), ob = dtype_bytes(out_dtype), mb = dtype_bytes(moment_dtype);
+    char* const m_bytes = static_cast<char*>(exp_avg);
+    char* const v_bytes = static_cast<char*>(exp_avg_sq);
     // With `crcs` (`in_crcs`), each thread checksums its own piece of each array tile by tile,
     // right after (before) updating the tile, while it is in cache; the pieces' CRCs are then
     // joined in order (crc32c_combine). Without either, a thread's piece is one tile.
     struct PieceCrc {
         std::uint32_t out[3] = {0, 0, 0};
         std::uint32_t in[3] = {0, 0, 0};
-        std::size_t bytes = 0;
+        std::size_t bytes[3] = {0, 0, 0};
     };
     const bool tiled = crcs || in_crcs;
-    // Where the path can, each thread folds its piece's checksums in its update loop instead.
-    const bool folded = tiled && checksummed_update_supported(isa);
+    // Where the path can, each thread folds its piece's checksums in its update loop instead
+    // (fp32 moments only).
+    const bool folded = tiled && checksummed_update_supported(isa) && moment_dtype == DType::kFloat32;
     std::vector<PieceCrc> parts(tiled ? static_cast<std::size_t>(k) : 0);
     // Extends the running CRCs of the three arrays by elements [i, i + len).
     auto checksum_tile = [&](std::uint32_t* crc, std::size_t i, std::size_t len) {
         crc[0] = crc32c(param + i, len * 4, crc[0]);
-        crc[1] = crc32c(exp_avg + i, len * 4, crc[1]);
-        crc[2] = crc32c(exp_avg_sq + i, len * 4, crc[2]);
+        crc[1] = crc32c(m_bytes + i * mb, len * mb, crc[1]);
+        crc[2] = crc32c(v_bytes + i * mb, len * mb, crc[2]);
     };
     pool_.run(k, [&](int t) {
         std::size_t b, e;
@@ -324,10 +344,11 @@ int CpuAdam::step(const AdamHyper& hyper, float* param, float* exp_avg, float* e
         if (folded) {
             PieceCrc& part = parts[static_cast<std::size_t>(t)];
             void* o = out ? static_cast<char*>(out) + b * ob : nullptr;
-            adam_update_range_checksummed(isa, s, param + b, exp_avg + b, exp_avg_sq + b,
+            adam_update_range_checksummed(isa, s, param + b, reinterpret_cast<float*>(m_bytes) + b,
+                                          reinterpret_cast<float*>(v_bytes) + b,
                                           static_cast<const char*>(grad) + b * gb, grad_dtype, o, out_dtype, e - b,
                                           in_crcs ? part.in : nullptr, crcs ? part.out : nullptr);
-            part.bytes = (e - b) * 4;
+            for (auto& nb : part.bytes) nb = (e - b) * 4;
             return;
         }
         const std::size_t tile = tiled ? kCrcTileElems : e - b;
@@ -335,19 +356,21 @@ int CpuAdam::step(const AdamHyper& hyper, float* param, float* exp_avg, float* e
             const std::size_t len = std::min(tile, e - i);
             void* o = out ? static_cast<char*>(out) + i * ob : nullptr;
             if (in_crcs) checksum_tile(parts[static_cast<std::size_t>(t)].in, i, len);
-            adam_update_range(isa, s, param + i, exp_avg + i, exp_avg_sq + i,
-                              static_cast<const char*>(grad) + i * gb, grad_dtype, o, out_dtype, len);
+            adam_update_range(isa, s, param + i, m_bytes + i * mb, v_bytes + i * mb,
+                              static_cast<const char*>(grad) + i * gb, grad_dtype, o, out_dtype, len, moment_dtype);
             if (!tiled) continue;
             PieceCrc& part = parts[static_cast<std::size_t>(t)];
             if (crcs) checksum_tile(part.out, i, len);
-            part.bytes += len * 4;
+            part.bytes[0] += len * 4;
+            part.bytes[1] += len * mb;
+            part.bytes[2] += len * mb;
         }
     });
     for (int a = 0; tiled && a < 3; ++a) {
         std::uint32_t before = parts[0].in[a], after = parts[0].out[a];
         for (std::size_t t = 1; t < parts.size(); ++t) {
-            before = crc32c_combine(before, parts[t].in[a], parts[t].bytes);
-            after = crc32c_combine(after, parts[t].out[a], parts[t].bytes);
+            before = crc32c_combine(before, parts[t].in[a], parts[t].bytes[a]);
+            after = crc32c_combine(after, parts[t].out[a], parts[t].bytes[a]);
         }
         if (crcs) crcs[a] = after;
         if (in_crcs) in_crcs[a] = before;

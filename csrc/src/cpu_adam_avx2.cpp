@@ -118,6 +118,17 @@ MLP_TARGET_AVX2 inline void store_state8(float* p, float* m, float* v, const Sta
     _mm256_storeu_ps(v, x.v);
 }
 
+// bf16 moments: widened on load, rounded to nearest even on store (as to_bf16_8 does for params).
+MLP_TARGET_AVX2 inline State8 load_state8(const float* p, const std::uint16_t* m, const std::uint16_t* v) {
+    return {_mm256_loadu_ps(p), load8(m, DType::kBFloat16), load8(v, DType::kBFloat16)};
+}
+
+MLP_TARGET_AVX2 inline void store_state8(float* p, std::uint16_t* m, std::uint16_t* v, const State8& x) {
+    _mm256_storeu_ps(p, x.p);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(m), to_bf16_8(x.m));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(v), to_bf16_8(x.v));
+}
+
 // The AdamW update of eight elements (the arithmetic of adam_scalar, lane by lane).
 template <DType G, bool SmallWeight, int Sq>
 MLP_TARGET_AVX2 inline State8 update8(const AdamScalars& s, const Consts8& c, State8 x, const void* g) {
@@ -136,8 +147,8 @@ MLP_TARGET_AVX2 inline State8 update8(const AdamScalars& s, const Consts8& c, St
     return {pi, mi, vi};
 }
 
-template <DType G, int O, bool SmallWeight, int Sq>
-MLP_TARGET_AVX2 inline void body8(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v,
+template <DType G, int O, bool SmallWeight, int Sq, class M>
+MLP_TARGET_AVX2 inline void body8(const AdamScalars& s, const Consts8& c, float* p, M* m, M* v,
                                   const void* g, void* out) {
     const State8 y = update8<G, SmallWeight, Sq>(s, c, load_state8(p, m, v), g);
     store_state8(p, m, v, y);
@@ -145,32 +156,35 @@ MLP_TARGET_AVX2 inline void body8(const AdamScalars& s, const Consts8& c, float*
 }
 
 // The last r < 8 elements of a loop, staged in zero-padded vectors so they go through the same
-// body as the others.
+// body as the others. M: the moments' storage (float, or bf16 bits).
+template <class M = float>
 struct Tail8 {
-    alignas(64) float p[8] = {}, m[8] = {}, v[8] = {};
+    alignas(64) float p[8] = {};
+    alignas(64) M m[8] = {}, v[8] = {};
     alignas(64) unsigned char g[32] = {}, out[32] = {};
     std::size_t r;
 
-    Tail8(const float* ps, const float* ms, const float* vs, const void* gs, std::size_t gb, std::size_t n)
+    Tail8(const float* ps, const M* ms, const M* vs, const void* gs, std::size_t gb, std::size_t n)
         : r(n) {
         std::memcpy(p, ps, r * 4);
-        std::memcpy(m, ms, r * 4);
-        std::memcpy(v, vs, r * 4);
+        std::memcpy(m, ms, r * sizeof(M));
+        std::memcpy(v, vs, r * sizeof(M));
         std::memcpy(g, gs, r * gb);
     }
 
     // Copies the updated elements (and `ob`-byte outputs, when `o` is not null) back.
-    void write_back(float* pd, float* md, float* vd, void* o, std::size_t ob) const {
+    void write_back(float* pd, M* md, M* vd, void* o, std::size_t ob) const {
         std::memcpy(pd, p, r * 4);
-        std::memcpy(md, m, r * 4);
-        std::memcpy(vd, v, r * 4);
+        std::memcpy(md, m, r * sizeof(M));
+        std::memcpy(vd, v, r * sizeof(M));
         if (o) std::memcpy(o, out, r * ob);
     }
 };
 
 template <DType G, int O, bool SmallWeight, int Sq>
 struct Loop8 {
-    MLP_TARGET_AVX2 static void run(const AdamScalars& s, const Consts8& c, float* p, float* m, float* v,
+    template <class M>
+    MLP_TARGET_AVX2 static void run(const AdamScalars& s, const Consts8& c, float* p, M* m, M* v,
                                     const void* g, void* out, std::size_t n) {
         constexpr std::size_t gb = G == DType::kFloat32 ? 4 : 2;
         constexpr std::size_t ob = O == static_cast<int>(DType::kFloat32) ? 4 : 2;
@@ -180,7 +194,7 @@ struct Loop8 {
                                             O >= 0 ? static_cast<char*>(out) + i * ob : nullptr);
         }
         if (i < n) {
-            Tail8 t(p + i, m + i, v + i, static_cast<const char*>(g) + i * gb, gb, n - i);
+            Tail8<M> t(p + i, m + i, v + i, static_cast<const char*>(g) + i * gb, gb, n - i);
             body8<G, O, SmallWeight, Sq>(s, c, t.p, t.m, t.v, t.g, t.out);
             t.write_back(p + i, m + i, v + i, O >= 0 ? static_cast<char*>(out) + i * ob : nullptr, ob);
         }
@@ -292,7 +306,7 @@ struct Loop8Crc {
             reg_out[2] = fold_finish(out_v, c.k128);
         }
         if (i < n) {  // the last < 8 elements, through the same body as in Loop8
-            Tail8 t(p + i, m + i, v + i, static_cast<const char*>(g) + i * gb, gb, n - i);
+            Tail8<> t(p + i, m + i, v + i, static_cast<const char*>(g) + i * gb, gb, n - i);
             if (want_in) {
                 reg_in[0] = crc_floats(reg_in[0], t.p, t.r);
                 reg_in[1] = crc_floats(reg_in[1], t.m, t.r);
@@ -332,6 +346,11 @@ static MLP_TARGET_AVX2 Consts8 make_consts8(const AdamScalars& s) {
 
 MLP_TARGET_AVX2 void adam_avx2(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt,
                                void* out, DType odt, std::size_t n) {
+    adam_dispatch<Loop8>(s, make_consts8(s), p, m, v, g, gdt, out, odt, n);
+}
+
+MLP_TARGET_AVX2 void adam_avx2_m16(const AdamScalars& s, float* p, std::uint16_t* m, std::uint16_t* v,
+                                   const void* g, DType gdt, void* out, DType odt, std::size_t n) {
     adam_dispatch<Loop8>(s, make_consts8(s), p, m, v, g, gdt, out, odt, n);
 }
 
@@ -411,6 +430,10 @@ namespace detail {
 void adam_avx2(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt, void* out, DType odt,
                std::size_t n) {
     adam_scalar(s, p, m, v, g, gdt, out, odt, n);
+}
+void adam_avx2_m16(const AdamScalars& s, float* p, std::uint16_t* m, std::uint16_t* v, const void* g, DType gdt,
+                   void* out, DType odt, std::size_t n) {
+    adam_scalar_m16(s, p, m, v, g, gdt, out, odt, n);
 }
 void adam_avx2_checksummed(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt, void* out,
                            DType odt, std::size_t n, std::uint32_t*, std::uint32_t*) {

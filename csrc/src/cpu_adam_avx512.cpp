@@ -151,24 +151,32 @@ struct Consts16 {
     __m512 inv, clip, decay, w, wm1, b2, omb2, bc2, eps, nss;
 };
 
-template <DType G, int O, bool SmallWeight, int Sq>
-MLP_TARGET_AVX512 inline void body16(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v,
+// The moments' storage: fp32, or bf16 bits widened on load and rounded to nearest even on store.
+MLP_TARGET_AVX512 inline __m512 load_moment16(const float* a) { return _mm512_loadu_ps(a); }
+MLP_TARGET_AVX512 inline __m512 load_moment16(const std::uint16_t* a) { return load16(a, DType::kBFloat16); }
+MLP_TARGET_AVX512 inline void store_moment16(float* a, __m512 x) { _mm512_storeu_ps(a, x); }
+MLP_TARGET_AVX512 inline void store_moment16(std::uint16_t* a, __m512 x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a), to_bf16_16(x));
+}
+
+template <DType G, int O, bool SmallWeight, int Sq, class M>
+MLP_TARGET_AVX512 inline void body16(const AdamScalars& s, const Consts16& c, float* p, M* m, M* v,
                                      const void* g, void* out, bool stream) {
     __m512 gi = load16(g, G);
     if (s.apply_unscale) gi = _mm512_mul_ps(gi, c.inv);
     if (s.apply_clip) gi = _mm512_mul_ps(gi, c.clip);
     __m512 pi = _mm512_loadu_ps(p);
     if (s.apply_decay) pi = _mm512_mul_ps(pi, c.decay);
-    __m512 mi = _mm512_loadu_ps(m);
+    __m512 mi = load_moment16(m);
     const __m512 diff = _mm512_sub_ps(gi, mi);
     mi = SmallWeight ? _mm512_fmadd_ps(c.w, diff, mi) : _mm512_fmadd_ps(c.wm1, diff, gi);
-    __m512 vi = _mm512_mul_ps(_mm512_loadu_ps(v), c.b2);
+    __m512 vi = _mm512_mul_ps(load_moment16(v), c.b2);
     vi = _mm512_fmadd_ps(_mm512_mul_ps(c.omb2, gi), gi, vi);
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(sqrt16(static_cast<SqrtMode>(Sq), vi), c.bc2), c.eps);
     pi = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(c.nss, mi), denom));
     _mm512_storeu_ps(p, pi);
-    _mm512_storeu_ps(m, mi);
-    _mm512_storeu_ps(v, vi);
+    store_moment16(m, mi);
+    store_moment16(v, vi);
     if constexpr (O >= 0) store16(out, static_cast<DType>(O), pi, stream);
 }
 
@@ -189,7 +197,8 @@ MLP_TARGET_AVX512 inline void stats_one16(StatsAcc16& a, __m512 x) {
 
 template <DType G, int O, bool SmallWeight, int Sq>
 struct Loop16 {
-    MLP_TARGET_AVX512 static void run(const AdamScalars& s, const Consts16& c, float* p, float* m, float* v,
+    template <class M>
+    MLP_TARGET_AVX512 static void run(const AdamScalars& s, const Consts16& c, float* p, M* m, M* v,
                                       const void* g, void* out, std::size_t n) {
         constexpr std::size_t gb = G == DType::kFloat32 ? 4 : 2;
         constexpr std::size_t ob = O == static_cast<int>(DType::kFloat32) ? 4 : 2;
@@ -203,16 +212,17 @@ struct Loop16 {
         if (stream) _mm_sfence();  // order the streamed stores before the caller reads `out`
         if (i < n) {
             const std::size_t r = n - i;
-            alignas(64) float tp[16] = {}, tm[16] = {}, tv[16] = {};
+            alignas(64) float tp[16] = {};
+            alignas(64) M tm[16] = {}, tv[16] = {};
             alignas(64) unsigned char tg[64] = {}, to[64] = {};
             std::memcpy(tp, p + i, r * 4);
-            std::memcpy(tm, m + i, r * 4);
-            std::memcpy(tv, v + i, r * 4);
+            std::memcpy(tm, m + i, r * sizeof(M));
+            std::memcpy(tv, v + i, r * sizeof(M));
             std::memcpy(tg, static_cast<const char*>(g) + i * gb, r * gb);
             body16<G, O, SmallWeight, Sq>(s, c, tp, tm, tv, tg, to, false);
             std::memcpy(p + i, tp, r * 4);
-            std::memcpy(m + i, tm, r * 4);
-            std::memcpy(v + i, tv, r * 4);
+            std::memcpy(m + i, tm, r * sizeof(M));
+            std::memcpy(v + i, tv, r * sizeof(M));
             if constexpr (O >= 0) std::memcpy(static_cast<char*>(out) + i * ob, to, r * ob);
         }
     }
@@ -220,8 +230,8 @@ struct Loop16 {
 
 }  // namespace
 
-MLP_TARGET_AVX512 void adam_avx512(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt,
-                                   void* out, DType odt, std::size_t n) {
+namespace {
+MLP_TARGET_AVX512 Consts16 make_consts16(const AdamScalars& s) {
     Consts16 c;
     c.inv = _mm512_set1_ps(s.inv_loss_scale);
     c.clip = _mm512_set1_ps(s.clip_coef);
@@ -233,7 +243,18 @@ MLP_TARGET_AVX512 void adam_avx512(const AdamScalars& s, float* p, float* m, flo
     c.bc2 = _mm512_set1_ps(s.bc2_sqrt);
     c.eps = _mm512_set1_ps(s.eps);
     c.nss = _mm512_set1_ps(s.neg_step_size);
-    adam_dispatch<Loop16>(s, c, p, m, v, g, gdt, out, odt, n);
+    return c;
+}
+}  // namespace
+
+MLP_TARGET_AVX512 void adam_avx512(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt,
+                                   void* out, DType odt, std::size_t n) {
+    adam_dispatch<Loop16>(s, make_consts16(s), p, m, v, g, gdt, out, odt, n);
+}
+
+MLP_TARGET_AVX512 void adam_avx512_m16(const AdamScalars& s, float* p, std::uint16_t* m, std::uint16_t* v,
+                                       const void* g, DType gdt, void* out, DType odt, std::size_t n) {
+    adam_dispatch<Loop16>(s, make_consts16(s), p, m, v, g, gdt, out, odt, n);
 }
 
 MLP_TARGET_AVX512 void stats_avx512(const void* g, DType dt, std::size_t n, GradStats* out) {
@@ -282,6 +303,10 @@ namespace detail {
 void adam_avx512(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt, void* out,
                  DType odt, std::size_t n) {
     adam_scalar(s, p, m, v, g, gdt, out, odt, n);
+}
+void adam_avx512_m16(const AdamScalars& s, float* p, std::uint16_t* m, std::uint16_t* v, const void* g, DType gdt,
+                     void* out, DType odt, std::size_t n) {
+    adam_scalar_m16(s, p, m, v, g, gdt, out, odt, n);
 }
 void stats_avx512(const void* g, DType dt, std::size_t n, GradStats* out) { stats_scalar(g, dt, n, out); }
 void sqrt_avx512(SqrtMode mode, const float* in, float* out, std::size_t n) { sqrt_scalar(mode, in, out, n); }

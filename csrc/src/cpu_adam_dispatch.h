@@ -12,9 +12,10 @@ namespace detail {
 
 // Loop<G, O, SmallWeight, Sq>::run(s, c, p, m, v, g, out, n) is one ISA's element loop: G the
 // gradient dtype, O the output dtype as an int (-1: no output), Sq the SqrtMode as an int; Consts
-// the ISA's broadcast scalars, passed through untouched.
-template <template <DType, int, bool, int> class Loop, DType G, int O, class Consts>
-void adam_for_sqrt(const AdamScalars& s, const Consts& c, float* p, float* m, float* v, const void* g, void* out,
+// the ISA's broadcast scalars, passed through untouched. M is the moments' storage type: float
+// (fp32 moments) or std::uint16_t (bf16 moments; a Loop's run is then a member template).
+template <template <DType, int, bool, int> class Loop, DType G, int O, class Consts, class M>
+void adam_for_sqrt(const AdamScalars& s, const Consts& c, float* p, M* m, M* v, const void* g, void* out,
                    std::size_t n) {
     // lerp's branch as ATen's is_lerp_weight_small: |w| < 0.5 -> m + w*(g-m), else g + (w-1)*(g-m).
     const bool small = s.lerp_weight < 0.5f && s.lerp_weight > -0.5f;
@@ -38,8 +39,8 @@ void adam_for_sqrt(const AdamScalars& s, const Consts& c, float* p, float* m, fl
     }
 }
 
-template <template <DType, int, bool, int> class Loop, DType G, class Consts>
-void adam_for_output(const AdamScalars& s, const Consts& c, float* p, float* m, float* v, const void* g, void* out,
+template <template <DType, int, bool, int> class Loop, DType G, class Consts, class M>
+void adam_for_output(const AdamScalars& s, const Consts& c, float* p, M* m, M* v, const void* g, void* out,
                      DType odt, std::size_t n) {
     if (!out) return adam_for_sqrt<Loop, G, -1>(s, c, p, m, v, g, out, n);
     switch (odt) {
@@ -49,8 +50,8 @@ void adam_for_output(const AdamScalars& s, const Consts& c, float* p, float* m, 
     }
 }
 
-template <template <DType, int, bool, int> class Loop, class Consts>
-void adam_dispatch(const AdamScalars& s, const Consts& c, float* p, float* m, float* v, const void* g, DType gdt,
+template <template <DType, int, bool, int> class Loop, class Consts, class M>
+void adam_dispatch(const AdamScalars& s, const Consts& c, float* p, M* m, M* v, const void* g, DType gdt,
                    void* out, DType odt, std::size_t n) {
     switch (gdt) {
         case DType::kBFloat16: return adam_for_output<Loop, DType::kBFloat16>(s, c, p, m, v, g, out, odt, n);

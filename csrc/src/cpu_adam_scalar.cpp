@@ -119,8 +119,18 @@ inline void store_out(void* out, DType dt, std::size_t i, float x) {
 
 }  // namespace
 
-void adam_scalar(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt, void* out,
-                 DType odt, std::size_t n) {
+namespace {
+
+inline float load_moment(const float* a, std::size_t i) { return a[i]; }
+inline float load_moment(const std::uint16_t* a, std::size_t i) { return bf16_to_f32(a[i]); }
+inline void store_moment(float* a, std::size_t i, float x) { a[i] = x; }
+inline void store_moment(std::uint16_t* a, std::size_t i, float x) { a[i] = f32_to_bf16(x); }
+
+// M: the moments' storage, float or bf16 bits. The arithmetic is fp32 either way; bf16 moments are
+// rounded only when stored, after the param has been updated from their fp32 values.
+template <class M>
+void adam_scalar_impl(const AdamScalars& s, float* p, M* m, M* v, const void* g, DType gdt, void* out, DType odt,
+                      std::size_t n) {
     const bool small_weight = std::fabs(s.lerp_weight) < 0.5f;
     const float wm1 = s.lerp_weight - 1.0f;
     for (std::size_t i = 0; i < n; ++i) {
@@ -129,18 +139,30 @@ void adam_scalar(const AdamScalars& s, float* p, float* m, float* v, const void*
         if (s.apply_clip) gi = gi * s.clip_coef;
         float pi = p[i];
         if (s.apply_decay) pi = pi * s.decay;
-        float mi = m[i];
+        float mi = load_moment(m, i);
         const float diff = gi - mi;
         mi = small_weight ? std::fma(s.lerp_weight, diff, mi) : std::fma(wm1, diff, gi);
-        float vi = v[i] * s.beta2;
+        float vi = load_moment(v, i) * s.beta2;
         vi = std::fma(s.one_minus_beta2 * gi, gi, vi);
         const float denom = kernel_sqrt(s.sqrt_mode, vi) / s.bc2_sqrt + s.eps;
         pi = pi + (s.neg_step_size * mi) / denom;
         p[i] = pi;
-        m[i] = mi;
-        v[i] = vi;
+        store_moment(m, i, mi);
+        store_moment(v, i, vi);
         if (out) store_out(out, odt, i, pi);
     }
+}
+
+}  // namespace
+
+void adam_scalar(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt, void* out,
+                 DType odt, std::size_t n) {
+    adam_scalar_impl(s, p, m, v, g, gdt, out, odt, n);
+}
+
+void adam_scalar_m16(const AdamScalars& s, float* p, std::uint16_t* m, std::uint16_t* v, const void* g, DType gdt,
+                     void* out, DType odt, std::size_t n) {
+    adam_scalar_impl(s, p, m, v, g, gdt, out, odt, n);
 }
 
 void stats_scalar(const void* g, DType dt, std::size_t n, GradStats* out) {

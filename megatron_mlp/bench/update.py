@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=6, help="update steps per variant (the first two are a warm-up, "
                    "see WARMUP_STEPS)")
     p.add_argument("--grad-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--state-dtype", default="fp32", metavar="LIST",
+                   help="Adam moment dtypes to run MLP-Offload's update at, e.g. fp32,bf16 (bf16: Megatron's "
+                        "--exp-avg-dtype/--exp-avg-sq-dtype bf16, 8 instead of 12 bytes per param). fp32 is "
+                        "always run: the baseline and the ablation store fp32 state, as DeepSpeed does; each "
+                        "further dtype reruns MLP-Offload at the headline budget")
     p.add_argument("--calib-bytes", default="4GB",
                    help="bytes per pass of the bandwidth measurement of a real tier (default 4GB; an emulated "
                         "tier's passes are at most one second of its cap)")
@@ -164,6 +169,19 @@ def _budgets(text: str | None, baseline_bytes: int) -> list[int]:
     return budgets
 
 
+def _state_dtypes(text: str) -> list[str]:
+    """--state-dtype as a list: fp32 first (the headline's), then each further dtype once."""
+    from megatron_mlp.config import MOMENT_DTYPES
+    given = [part.strip() for part in str(text).split(",") if part.strip()]
+    for d in given:
+        if d not in MOMENT_DTYPES:
+            raise ConfigError(f"--state-dtype: {d!r} is not one of {', '.join(MOMENT_DTYPES)} (fp16 moments need "
+                              "stock's per-tensor scaling, which the tier does not implement)")
+    if not given:
+        raise ConfigError(f"--state-dtype: {text!r} names no dtype")
+    return ["fp32"] + [d for d in dict.fromkeys(given) if d != "fp32"]
+
+
 def _checked_args(argv):
     """The parsed flags, every one checked before anything is measured.
 
@@ -201,6 +219,7 @@ def _checked_args(argv):
     # A subgroup is never larger than a rank's shard: every buffer sized by it (the baseline's, the
     # fp32 upcast of the rows without the in-register one) is sized by what the run holds.
     args.subgroup_params = min(args.subgroup_params, args.num_params // args.ranks)
+    args.state_dtypes = _state_dtypes(args.state_dtype)
     args.plot = _check_plot_target(args.plot)
     args.host_memory_list = _budgets(args.host_memory, baseline_host_bytes(args.num_params // args.ranks,
                                                                           args.subgroup_params))
@@ -220,6 +239,13 @@ def _checked_args(argv):
             text = str(e).replace(f"{HOST_MEMORY_FLAG}: ", "").replace("--mlp-offload-subgroup-size",
                                                                        "--subgroup-params")
             raise ConfigError(f"--host-memory: {name}: {text}") from None
+    for d in args.state_dtypes[1:]:   # a subgroup size that pads the 16-bit arrays too much, say
+        from megatron_mlp.optim.subgroups import moment_bytes_of
+        try:
+            host_memory_for(SubgroupPlan([(0, args.num_params // args.ranks)], args.subgroup_params,
+                                         moment_bytes_of(d)), run_config(args, tiers, moment_dtype=d))
+        except ConfigError as e:
+            raise ConfigError(f"--state-dtype {d}: {e}") from None
     if args.trace_steps is not None and not args.trace:
         raise ConfigError("--trace-steps: give --trace FILE too (where the trace goes)")
     if args.trace:

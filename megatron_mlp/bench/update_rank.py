@@ -75,6 +75,11 @@ def _streams(args, tiers, numel: int) -> bool:
     return host_memory_for(SubgroupPlan([(0, numel)], args.subgroup_params), run_config(args, tiers)).streams
 
 
+def state_dtype_name(dtype: str) -> str:
+    """The variant name of MLP-Offload with its moments stored in ``dtype`` (``--state-dtype``)."""
+    return f"MLP-Offload, {dtype} moments"
+
+
 def sweep_name(budget: int) -> str:
     """The variant name of MLP-Offload at a further ``--host-memory`` budget."""
     return f"MLP-Offload at {budget / 1e9:g} GB"
@@ -128,6 +133,9 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
             variants.append((CHECKSUM_OFF, dict(ABLATION[-1][1], checksum=False)))
         # MLP-Offload again at each further budget: the speed-up per budget (the sweep).
         variants += [(sweep_name(b), dict(ABLATION[-1][1], host_memory_bytes=b)) for b in args.host_memory_list[1:]]
+        # MLP-Offload again with 16-bit moments at the headline budget (--state-dtype).
+        variants += [(state_dtype_name(d), dict(ABLATION[-1][1], moment_dtype=d))
+                     for d in getattr(args, "state_dtypes", ["fp32"])[1:]]
         result["variants"] = []
         for name, overrides in variants:
             barrier.wait()
@@ -146,7 +154,9 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
                                            "tier_of": list(opt.tier_of),
                                            "host_limit_bytes": opt.host_memory_bytes,
                                            "host_bytes": opt.peak_host_bytes,
-                                           "host_memory": opt.host_memory.as_dict()})
+                                           "host_memory": opt.host_memory.as_dict(),
+                                           "moment_dtype": opt.config.moment_dtype,
+                                           "state_bytes": opt.plan.state_bytes})
                 if name == MLP_NAME:
                     result["paired"] = _paired_steps(args, tiers, numel, opt, base, stats, grads, params_out,
                                                      barrier)

@@ -91,6 +91,12 @@ def format_text(r: UpdateResult) -> str:
             lines.append(f"  {row['host_memory_bytes'] / GB:7.2f} GB  {row['mlp_s']:7.2f} s  {_f(row['speedup'])}x  "
                          f"({row['mlp_host_bytes'] / GB:.2f} GB used, {row['host_memory']['cache_buffers']} cache "
                          f"buffers; predicted {_f(row.get('predicted_s'))} s)")
+    if r.state_dtypes and len(r.state_dtypes) > 1:
+        lines.append("MLP-Offload's update per Adam moment dtype (fp32 master params; --state-dtype):")
+        for row in r.state_dtypes:
+            lines.append(f"  {row['state_dtype']:>5}  {row['bytes_per_param']:5.2f} B/param stored  "
+                         f"{row['bytes_moved_per_step'] / GB:7.3f} GB moved/step  {row['mlp_s']:7.2f} s  "
+                         f"{_f(row['speedup'])}x the baseline")
     lines.append(f"references (yardsticks from the bandwidth passes, not bounds): I/O {_f(ref['io_s'])} s "
                  f"(MLP-Offload {_x(ref['mlp_vs_io'])}); placement model predicted {_f(ref['predicted_s'])} s")
     lines.append(f"the step's kernels alone on {ref['kernel_threads'] or 'every'} thread(s), no I/O: "

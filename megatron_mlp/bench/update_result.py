@@ -5,7 +5,7 @@ out the warm-up steps (``update_rank.WARMUP_STEPS``), on every side. ``to_json()
 sections: what ran (``machine``, ``config``), each tier's bandwidth and bytes (``tiers``), each
 side (``baseline``, ``mlp``, ``deepspeed``), the ratios (``speedup``), the step-by-step pairs
 (``paired``), the yardsticks (``references``), the placement model's plan (``placement``), the
-host-memory ``sweep`` and the ``ablation``.
+host-memory ``sweep``, the ``ablation`` and MLP-Offload's update per Adam moment dtype (``state_dtypes``).
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import platform
 import statistics
 from dataclasses import asdict, dataclass
 
-from megatron_mlp.bench.update_rank import (CHECKSUM_OFF, MLP_NAME, WHOLE_BUFFERS, run_config, steady_slice,
-                                            sweep_name)
+from megatron_mlp.bench.update_rank import (CHECKSUM_OFF, MLP_NAME, WHOLE_BUFFERS, run_config, state_dtype_name,
+                                            steady_slice, sweep_name)
 from megatron_mlp.bench.update_tiers import faster_of
 from megatron_mlp.optim.placement.reference import fluid_update_seconds, tier_io_seconds
 
@@ -59,6 +59,10 @@ class UpdateResult:
     faster_than_reference: list
     emulated_paths: list
     trace_files: list | None = None
+    state_dtypes: list | None = None
+    """MLP-Offload at the headline budget per ``--state-dtype``: fp32 moments (the headline, 12 bytes
+    per param) first, then each further dtype (bf16: 8): seconds, speed-up over the baseline, bytes
+    per param stored, bytes moved per step over all ranks."""
 
     def to_dict(self) -> dict:
         return {"benchmark": "update", **asdict(self)}
@@ -96,7 +100,7 @@ def _variants(results, baseline_s: float):
             extra = row
         elif variant["name"] == WHOLE_BUFFERS:
             sweep_rows[WHOLE_BUFFERS] = (i, row)
-        elif variant["name"].startswith("MLP-Offload at "):
+        elif variant["name"].startswith("MLP-Offload at ") or variant["name"].endswith(" moments"):
             sweep_rows[variant["name"]] = (i, row)
         else:
             ablation.append(row)
@@ -202,6 +206,10 @@ def summarize(args, tiers, bandwidth, results, bandwidth_after=None) -> UpdateRe
                       "mlp_host_bytes": max(r["variants"][i]["host_bytes"] for r in results),
                       "host_memory": results[0]["variants"][i]["host_memory"],
                       "predicted_s": _placement(args, tiers, budget, kernel_s)[3]})
+    state_rows = [_state_dtype_row(results, mlp_index, mlp, "fp32")]
+    for d in getattr(args, "state_dtypes", ["fp32"])[1:]:
+        i, row = sweep_rows[state_dtype_name(d)]
+        state_rows.append(_state_dtype_row(results, i, row, d))
     paired = _paired(results, io_reference_s)
     references = {"io_s": io_reference_s, "mlp_vs_io": _ratio(mlp_s, io_reference_s),
                   "kernel_s": kernel_s, "kernel_threads": results[0]["kernel_reference"]["threads"],
@@ -238,8 +246,22 @@ def summarize(args, tiers, bandwidth, results, bandwidth_after=None) -> UpdateRe
         paired=paired, references=references, placement=placement.to_dict(), sweep=sweep, ablation=ablation,
         deepspeed=_deepspeed_summary(results, baseline_s, mlp_s) if args.vs_deepspeed else None,
         faster_than_reference=faster_than_reference(mlp_s, references, paired),
-        emulated_paths=[row["path"] for row in tier_rows if row["emulated"]])
+        emulated_paths=[row["path"] for row in tier_rows if row["emulated"]],
+        state_dtypes=state_rows)
     return result
+
+
+def _state_dtype_row(results, index: int, row: dict, dtype: str) -> dict:
+    """MLP-Offload's update with its moments in ``dtype``: variant ``index`` of every rank."""
+    kept = steady_slice(len(results[0]["variants"][index]["stats"]))
+    per_rank = [[sum(t["bytes_read"] + t["bytes_written"] for t in st["tiers"])
+                 for st in r["variants"][index]["stats"][kept]] for r in results]
+    moved = [sum(step) for step in zip(*per_rank)]   # per step, over all ranks
+    numel = sum(r["numel"] for r in results)
+    state = sum(r["variants"][index].get("state_bytes", 12 * r["numel"]) for r in results)
+    return {"state_dtype": dtype, "bytes_per_param": state / numel if numel else None, "mlp_s": row["seconds"],
+            "min_s": row["min_s"], "max_s": row["max_s"], "speedup": row["speedup"],
+            "bytes_moved_per_step": statistics.median(moved) if moved else 0}
 
 
 def _deepspeed_summary(results, baseline_s: float, mlp_s: float) -> dict:

@@ -41,8 +41,8 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_mlp.errors import TierFailure
 from megatron_mlp.megatron.inner import OffloadInner, Segment, default_inner_factory, transfer_dtype
-from megatron_mlp.megatron.refusals import (l2norm_upcasts_in_registers, refuse_separately_clipped_params,
-                                            refuse_unsupported_config)
+from megatron_mlp.megatron.refusals import (l2norm_upcasts_in_registers, moment_dtype_of,
+                                            refuse_separately_clipped_params, refuse_unsupported_config)
 from megatron_mlp.megatron.timers import report_step_timers
 
 logger = logging.getLogger(__name__)
@@ -75,9 +75,16 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         # Refused before Megatron allocates anything: each would train differently from what
         # the flags say, silently.
         refuse_unsupported_config(config, args[0] if args else kwargs.get("model_chunks"))
+        # --exp-avg-dtype / --exp-avg-sq-dtype: what the tier stores the moments in (fp32 or bf16).
+        self._moment_dtype = moment_dtype_of(config)
         # Private copy: the caller's config (shared with other optimizers) keeps its meaning.
         config = copy.copy(config)
         config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+        # Toward Megatron the state is fp32 whatever the tier stores (what stock's
+        # get_unscaled_state / set_scaled_state exchange): its checkpoint code allocates fp32 and
+        # its init_state_fn takes the plain path, never TE's initialize_state.
+        config.use_precision_aware_optimizer = False
+        config.exp_avg_dtype = config.exp_avg_sq_dtype = torch.float32
         # Megatron (ChainedOptimizer.step, MixedPrecisionOptimizer.step) would clip the
         # low-precision .decoupled_grad in place when clip_grad > 0; we apply the clip in the
         # kernel instead, so our private config says 0 and we keep the real value.
@@ -102,7 +109,7 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
 
     @property
     def offload_numel(self) -> int:
-        """Elements of this rank's shard: its optimizer state is 12 bytes each."""
+        """Elements of this rank's shard: its optimizer state is 12 bytes each (8 with bf16 moments)."""
         return self._numel
 
     @property
@@ -117,6 +124,8 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         if self.optimizer.offload is not None:
             return
         factory = self.inner_factory or default_inner_factory
+        if mlp_config.moment_dtype != self._moment_dtype:
+            mlp_config = mlp_config.replace(moment_dtype=self._moment_dtype)
         # OffloadInner's pinned _grads_host/_params_host count in --mlp-offload-host-memory.
         from megatron_mlp.optim.host_memory import staging_bytes
         staging = staging_bytes(self._numel, transfer_dtype(self._grad_dtype, mlp_config.grad_transfer),

@@ -85,24 +85,29 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     return _C.crc32c_combine(int(crc_a), int(crc_b), int(len_b))
 
 
-def region_crc32c(region, array_bytes: int, stride_bytes: int, array_crcs) -> int:
+def region_crc32c(region, array_bytes, stride_bytes, array_crcs) -> int:
     """CRC-32C of a region ``[a0 | pad | a1 | pad | ...]`` from the CRCs of its arrays.
 
-    ``region`` is a uint8 tensor; the arrays (``array_bytes`` each, one every ``stride_bytes``)
-    were checksummed already (the fused kernel does it while they are in cache), so only the
-    alignment padding after each is read here: the result equals ``crc32c(region)``.
+    ``region`` is a uint8 tensor; the arrays (``array_bytes`` each, one every ``stride_bytes``; or
+    one value per array where they differ, as with bf16 moments beside an fp32 param) were
+    checksummed already (the fused kernel does it while they are in cache), so only the alignment
+    padding after each is read here: the result equals ``crc32c(region)``.
 
     Raises:
         ValueError: the arrays and their strides do not tile the region exactly.
     """
-    pad = stride_bytes - array_bytes
-    if array_bytes < 0 or pad < 0 or len(array_crcs) * stride_bytes != region.numel():
-        raise ValueError(f"region_crc32c: {len(array_crcs)} arrays of {array_bytes} bytes, one every "
+    n = len(array_crcs)
+    sizes = tuple(array_bytes) if isinstance(array_bytes, (tuple, list)) else (array_bytes,) * n
+    strides = tuple(stride_bytes) if isinstance(stride_bytes, (tuple, list)) else (stride_bytes,) * n
+    if len(sizes) != n or len(strides) != n or sum(strides) != region.numel() \
+            or any(a < 0 or a > st for a, st in zip(sizes, strides)):
+        raise ValueError(f"region_crc32c: {n} arrays of {array_bytes} bytes, one every "
                          f"{stride_bytes}, do not tile a region of {region.numel()} bytes")
     crc = 0
-    for i, array_crc in enumerate(array_crcs):
-        crc = crc32c_combine(crc, int(array_crc), array_bytes)
-        if pad:
-            start = i * stride_bytes + array_bytes
-            crc = crc32c(region[start:start + pad], seed=crc)
+    start = 0
+    for array_crc, size, stride in zip(array_crcs, sizes, strides):
+        crc = crc32c_combine(crc, int(array_crc), size)
+        if stride > size:
+            crc = crc32c(region[start + size:start + stride], seed=crc)
+        start += stride
     return crc

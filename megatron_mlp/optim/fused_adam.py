@@ -5,6 +5,12 @@ fp32 gradient that is never copied to fp32, and optionally writes the new params
 precision for the GPU. The result is bit-identical to ``torch.optim.AdamW`` (fp32, the
 single-tensor CPU implementation) applied to ``grad.float() * inv_loss_scale * clip_coef``.
 
+Adam's moments may also be stored in bf16 (``exp_avg`` and ``exp_avg_sq`` bf16 tensors), as
+Megatron's precision-aware optimizer does with ``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``:
+the arithmetic stays fp32 in registers, the param is updated from the fp32 moments, and only the
+stored moments are rounded to bf16, to nearest even -- bit-identical to
+``megatron_mlp.optim.reference_adam.reference_adamw_bf16_moments``.
+
 One kernel object (a C++ ``CpuAdam`` owning its worker threads) is kept per process.
 """
 from __future__ import annotations
@@ -30,6 +36,8 @@ __all__ = [
 ]
 
 _GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MOMENT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+"""The dtypes the kernel stores Adam's moments in (fp16 needs stock's per-tensor scaling: not built)."""
 _KERNEL_LOCK = threading.Lock()
 _KERNEL = None  # the process's _C.CpuAdam, created on first use
 
@@ -189,7 +197,9 @@ def fused_adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *, lr, bet
     """One AdamW step over a flat range, in place.
 
     Args:
-        param, exp_avg, exp_avg_sq: fp32 CPU tensors of the same numel, contiguous; updated in place.
+        param: fp32 CPU tensor, contiguous; updated in place.
+        exp_avg, exp_avg_sq: CPU tensors of param's numel, contiguous, both fp32 or both bf16 (the
+            moments rounded to nearest even when stored); updated in place.
         grad: bf16, fp16 or fp32 CPU tensor of that numel; read only, upcast in registers.
         param_out: optional bf16, fp16 or fp32 CPU tensor of that numel receiving the new params.
         lr, beta1, beta2, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
@@ -213,8 +223,11 @@ def fused_adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *, lr, bet
     """
     _check_tensor("param", param, {torch.float32: 0}, None)
     n = param.numel()
-    _check_tensor("exp_avg", exp_avg, {torch.float32: 0}, n)
-    _check_tensor("exp_avg_sq", exp_avg_sq, {torch.float32: 0}, n)
+    _check_tensor("exp_avg", exp_avg, MOMENT_DTYPES, n)
+    _check_tensor("exp_avg_sq", exp_avg_sq, MOMENT_DTYPES, n)
+    if exp_avg.dtype != exp_avg_sq.dtype:
+        raise TypeError(f"fused_adam_step: exp_avg is {str(exp_avg.dtype).replace('torch.', '')} but exp_avg_sq is "
+                        f"{str(exp_avg_sq.dtype).replace('torch.', '')}; the kernel stores both moments in one dtype")
     _check_tensor("grad", grad, _GRAD_DTYPES, n)
     out_ptr, out_code = 0, 0
     if param_out is not None:
@@ -230,7 +243,7 @@ def fused_adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *, lr, bet
     return _kernel().step(param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
                           _GRAD_DTYPES[grad.dtype], out_ptr, out_code, n, float(lr), float(beta1), float(beta2),
                           float(eps), float(weight_decay), int(step), float(inv_loss_scale), float(clip_coef),
-                          int(num_threads), bool(checksums), bool(input_checksums))
+                          int(num_threads), bool(checksums), bool(input_checksums), MOMENT_DTYPES[exp_avg.dtype])
 
 
 def grad_stats(grad, num_threads: int = 0) -> tuple[float, bool]:

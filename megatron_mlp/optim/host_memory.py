@@ -46,18 +46,25 @@ STREAM_PIECES = 16
 behind on every tier at once (a few per tier) with the kernel between them."""
 
 
-def stream_piece_params(block_bytes: int) -> int:
-    """Elements of one piece of the pool: one I/O block of each state array (``--mlp-offload-io-block-size``,
-    8 MiB by default: 24 MiB pieces), so a piece is three full-size engine requests."""
-    from megatron_mlp.optim.subgroups import ALIGN_ELEMS, FP32_BYTES, align_up
-    return align_up(int(block_bytes) // FP32_BYTES, ALIGN_ELEMS)
+def stream_piece_params(block_bytes: int, moment_bytes: int = 4) -> int:
+    """Elements of one piece of the pool: one I/O block of the fp32 param array (``--mlp-offload-io-block-size``,
+    8 MiB by default: 24 MiB pieces with fp32 moments, 16 MiB with bf16), so a piece is full-size engine
+    requests. ``moment_bytes``: 4 (fp32 moments) or 2 (bf16)."""
+    from megatron_mlp.optim.subgroups import FP32_BYTES, align_elems_for, align_up
+    return align_up(int(block_bytes) // FP32_BYTES, align_elems_for(moment_bytes))
 
 
-def piece_buffer_bytes(piece_params: int) -> int:
+def piece_buffer_bytes(piece_params: int, moment_bytes: int = 4) -> int:
     """Bytes of a piece buffer: three arrays of a piece, plus the sliver and padding a subgroup's
     last piece may carry (``Subgroup.pieces`` joins a sliver below one alignment to it)."""
-    from megatron_mlp.optim.subgroups import ALIGN_ELEMS, FP32_BYTES, STATE_NAMES
-    return len(STATE_NAMES) * FP32_BYTES * (int(piece_params) + 2 * ALIGN_ELEMS)
+    from megatron_mlp.optim.subgroups import align_elems_for, state_bytes_per_param
+    return state_bytes_per_param(moment_bytes) * (int(piece_params) + 2 * align_elems_for(moment_bytes))
+
+
+def config_moment_bytes(config) -> int:
+    """Bytes per stored moment element of ``config`` (4, or 2 with ``moment_dtype`` 'bf16')."""
+    from megatron_mlp.optim.subgroups import moment_bytes_of
+    return moment_bytes_of(getattr(config, "moment_dtype", "fp32"))
 
 
 def staging_bytes(numel: int, grad_dtype, param_dtype) -> int:
@@ -165,7 +172,7 @@ def minimum_bytes(buffer_bytes: int, staging: int = 0, upcast: int = 0) -> int:
 def _plan_pieces(config, budget: int, buffer_bytes: int, staging: int, upcast: int, piece_params: int,
                  requested) -> HostMemoryPlan:
     """The pool in pieces: a stream of up to ``STREAM_PIECES`` pieces, whole subgroups of cache beside it."""
-    piece = piece_buffer_bytes(piece_params)
+    piece = piece_buffer_bytes(piece_params, config_moment_bytes(config))
     least = staging + upcast + MIN_STREAM_PIECES * piece
     if budget < least:
         raise ConfigError(
@@ -198,9 +205,10 @@ def plan_host_memory(config, buffer_bytes: int, staging: int = 0) -> HostMemoryP
         cache = config.host_cache_bytes // buffer_bytes if config.cache_order else 0
         total = staging + upcast + (prefetch + flush + 1 + cache) * buffer_bytes
         return HostMemoryPlan(total, buffer_bytes, staging, upcast, prefetch, flush, cache, False, requested)
-    piece_params = stream_piece_params(config.block_bytes)
+    moment_bytes = config_moment_bytes(config)
+    piece_params = stream_piece_params(config.block_bytes, moment_bytes)
     if getattr(config, "host_pool_pieces", True) and \
-            MIN_WORKING_BUFFERS * buffer_bytes > MIN_STREAM_PIECES * piece_buffer_bytes(piece_params):
+            MIN_WORKING_BUFFERS * buffer_bytes > MIN_STREAM_PIECES * piece_buffer_bytes(piece_params, moment_bytes):
         return _plan_pieces(config, budget, buffer_bytes, staging, upcast, piece_params, requested)
     least = minimum_bytes(buffer_bytes, staging, upcast)
     if budget < least:

@@ -99,7 +99,7 @@ class AdamKernel:
     def run_piece(self, sg: Subgroup, arrays, lo: int, hi: int, inputs: StepInputs, stats, checksum: bool,
                   check: bool, num_threads: int, trace=None, k: int = 0):
         """The fused AdamW step on elements ``[lo, hi)`` of ``sg``, whose param, exp_avg and
-        exp_avg_sq are ``arrays`` (fp32 views of ``hi - lo`` elements, wherever they live: a subgroup
+        exp_avg_sq are ``arrays`` (views of ``hi - lo`` elements, wherever they live: a subgroup
         buffer or a piece buffer). Returns ``(before, after)``: the per-array crc32c of the state as
         read (``check``) and as updated (``checksum``), else None."""
         from megatron_mlp.optim.fused_adam import fused_adam_step
@@ -163,10 +163,11 @@ class AdamKernel:
             num_threads = job.threads() if callable(job.threads) else job.threads
             piece_before, crcs = self.run_piece(sg, [views[name][lo:hi] for name in STATE_ORDER], lo, hi, inputs,
                                                 stats, job.checksum, check, num_threads, trace, k)
+            lens = [(hi - lo) * eb for eb in sg.element_bytes]
             if check:
-                before = tuple(crc32c_combine(a, b, (hi - lo) * 4) for a, b in zip(before, piece_before))
+                before = tuple(crc32c_combine(a, b, n) for a, b, n in zip(before, piece_before, lens))
             if job.checksum:
-                after = tuple(crc32c_combine(a, b, (hi - lo) * 4) for a, b in zip(after, crcs))
+                after = tuple(crc32c_combine(a, b, n) for a, b, n in zip(after, crcs, lens))
             if job.written is not None:
                 job.written(k)
         stats.wait_s += waited
@@ -180,17 +181,20 @@ class AdamKernel:
                 except BaseException as e:  # noqa: BLE001 -- the caller gives back the fetch's buffer
                     return KernelResult(fetch_error=e)
             # The padding after each array is not touched by the kernel: it is read here as stored.
-            job.store.verify_checksum(sg, snapshot, region_crc32c(region, sg.numel * 4, sg.padded_numel * 4, before))
+            job.store.verify_checksum(sg, snapshot, region_crc32c(region, array_lengths(sg), sg.array_strides, before))
         if not job.checksum:
             return KernelResult()
-        return KernelResult(crc=region_crc32c(region, sg.numel * 4, sg.padded_numel * 4, after))
+        return KernelResult(crc=region_crc32c(region, array_lengths(sg), sg.array_strides, after))
+
+
+def array_lengths(sg: Subgroup) -> tuple[int, int, int]:
+    """Bytes of real state in each of ``sg``'s three arrays (padding excluded)."""
+    return tuple(sg.numel * eb for eb in sg.element_bytes)
 
 
 def state_views(sg: Subgroup, buf) -> dict[str, torch.Tensor]:
-    """fp32 views of ``param``, ``exp_avg``, ``exp_avg_sq`` of ``sg`` in its host buffer."""
-    f = buf.torch(torch.float32)
-    n, pn = sg.numel, sg.padded_numel
-    return {"param": f[0:n], "exp_avg": f[pn:pn + n], "exp_avg_sq": f[2 * pn:2 * pn + n]}
+    """Views of ``param`` (fp32), ``exp_avg``, ``exp_avg_sq`` (the moment dtype) of ``sg`` in its host buffer."""
+    return sg.views(buf.torch(torch.uint8))
 
 
 def hyper_params(group: dict, step: int) -> dict:

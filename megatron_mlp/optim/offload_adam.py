@@ -26,6 +26,7 @@ import torch
 
 from megatron_mlp.errors import ConfigError, TierFailure
 from megatron_mlp.optim.failover import FailoverStats, take_out_of_service
+from megatron_mlp.optim.host_memory import config_moment_bytes
 from megatron_mlp.optim.kernel_call import AdamKernel, StepInputs
 from megatron_mlp.optim.placement import host_memory_for, placement_tiers, plan_for, warm_subgroups
 from megatron_mlp.optim.placement.model import update_seconds
@@ -77,7 +78,8 @@ class OffloadAdam:
         if config.node_memory_bytes:
             config.replace(node_memory_bytes=0)   # planned for another node: the budget must fit this one
         self.config = config
-        self.plan = SubgroupPlan(group_ranges, config.subgroup_params)
+        # The tiers store what the flags say: fp32 masters, moments fp32 or bf16 (12 or 8 B/param).
+        self.plan = SubgroupPlan(group_ranges, config.subgroup_params, config_moment_bytes(config))
         # The one host budget (--mlp-offload-host-memory): the caller's staging, the working
         # buffers and the cache; refused here, before anything is created, when it cannot fit.
         self.host_memory = host_memory_for(self.plan, config, int(staging_bytes))

@@ -4,7 +4,7 @@ With the pool in pieces (``HostMemoryPlan.streams``), a subgroup that the step n
 memory nor keeps there never holds a whole buffer. Its pieces (``Subgroup.pieces`` of
 ``HostMemoryPlan.piece_params``: elements ``[lo, hi)`` of param, exp_avg and exp_avg_sq, three
 aligned byte ranges of its region) are read each into a piece buffer of its own, laid out
-``[param | exp_avg | exp_avg_sq]`` one range apart; the fused kernel updates a piece as soon as it
+``[param | exp_avg | exp_avg_sq]`` one after the other (``Subgroup.piece_buffer_offsets``); the fused kernel updates a piece as soon as it
 has landed, and the piece is written back to the subgroup's free slot right behind the kernel
 (``StreamedFlush``), its buffer handed to the next read when the write is done.
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_mlp.optim.streamed_flush import StreamedFlush
-from megatron_mlp.optim.subgroups import FP32_BYTES, Subgroup
+from megatron_mlp.optim.subgroups import Subgroup
 
 
 @dataclass
@@ -123,7 +123,7 @@ class PieceStream:
             sub.snapshot = (rec.current, rec.offsets[rec.current], rec.crc, rec.generation)
         offset = sub.snapshot[1]
         ranges = sg.piece_ranges(*sub.pieces[k])
-        at = {rel: a * ranges[0][1] for a, (rel, _) in enumerate(ranges)}
+        at = {rel: off for off, (rel, _) in zip(sg.piece_buffer_offsets(*sub.pieces[k]), ranges)}
         region = buf.torch(torch.uint8)
 
         def read():
@@ -187,16 +187,16 @@ class PieceStream:
         t1 = time.perf_counter()
         lo, hi = sub.pieces[k]
         buf = sub.buffers[k]
-        stride = sg.piece_ranges(lo, hi)[0][1]
-        f = buf.torch(torch.float32)
-        arrays = [f[a * stride // FP32_BYTES:a * stride // FP32_BYTES + hi - lo] for a in range(3)]
+        offsets = sg.piece_buffer_offsets(lo, hi)
+        arrays = sg.piece_views(buf.torch(torch.uint8), lo, hi)
         check = store.checksum and sub.snapshot[2] is not None
         before, after = kernel.run_piece(sg, arrays, lo, hi, inputs, stats, store.checksum, check,
                                          threads(), trace, k)
+        lens = [(hi - lo) * eb for eb in sg.element_bytes]
         if check:
-            sub.before = tuple(crc32c_combine(a, b, (hi - lo) * FP32_BYTES) for a, b in zip(sub.before, before))
+            sub.before = tuple(crc32c_combine(a, b, n) for a, b, n in zip(sub.before, before, lens))
         if store.checksum:
-            sub.after = tuple(crc32c_combine(a, b, (hi - lo) * FP32_BYTES) for a, b in zip(sub.after, after))
+            sub.after = tuple(crc32c_combine(a, b, n) for a, b, n in zip(sub.after, after, lens))
         sub.computed += 1
         with self._cond:
             self.reading[id(store)] -= 1
@@ -204,8 +204,8 @@ class PieceStream:
         crc = got = None
         if last:
             u8 = buf.torch(torch.uint8)
-            got = _region_crc(u8, sub.before, sg.numel, stride, hi - lo) if check else None
-            crc = _region_crc(u8, sub.after, sg.numel, stride, hi - lo) if store.checksum else None
+            got = _region_crc(u8, sub.before, sg, lo, hi) if check else None
+            crc = _region_crc(u8, sub.after, sg, lo, hi) if store.checksum else None
         stats.wait_s += t1 - t0
         stats.compute_s += time.perf_counter() - t1
         if got is not None:
@@ -214,7 +214,7 @@ class PieceStream:
         sub.buffers[k] = None
         with self._cond:
             self.outstanding += 1
-        sub.flush.write_piece(k, (buf.torch(torch.uint8), stride), lambda error: self._written(buf, error))
+        sub.flush.write_piece(k, (buf.torch(torch.uint8), offsets), lambda error: self._written(buf, error))
         if not last:
             return None
         stats.subgroups += 1
@@ -254,14 +254,15 @@ class PieceStream:
                 self.held -= 1
 
 
-def _region_crc(last_piece, array_crcs, numel: int, stride: int, last_numel: int) -> int:
+def _region_crc(last_piece, array_crcs, sg: Subgroup, lo: int, hi: int) -> int:
     """The crc32c of a subgroup's region from the per-array crcs of its elements and the alignment
-    padding at the end of each array, which the last piece's buffer holds (``stride`` bytes per array)."""
+    padding at the end of each array, which the buffer of the last piece ``[lo, hi)`` holds."""
     from megatron_mlp.optim.checksum import crc32c, crc32c_combine
     crc = 0
-    for a, array_crc in enumerate(array_crcs):
-        crc = crc32c_combine(crc, int(array_crc), numel * FP32_BYTES)
-        pad = last_piece[a * stride + last_numel * FP32_BYTES:(a + 1) * stride]
+    ranges = sg.piece_ranges(lo, hi)
+    for array_crc, eb, at, (_, nbytes) in zip(array_crcs, sg.element_bytes, sg.piece_buffer_offsets(lo, hi), ranges):
+        crc = crc32c_combine(crc, int(array_crc), sg.numel * eb)
+        pad = last_piece[at + (hi - lo) * eb:at + nbytes]
         if pad.numel():
             crc = crc32c(pad, seed=crc)
     return crc

@@ -3,16 +3,43 @@
 Tests compare OffloadAdam's trajectory against this bit for bit. The gradient is prepared the way
 the fused kernel is specified to: upcast, multiply by ``inv_loss_scale`` (one fp32 rounding), then
 by ``clip_coef`` (a second rounding) -- what Megatron does with separate unscale and clip passes.
+
+With 16-bit moments (Megatron's precision-aware optimizer, ``--exp-avg-dtype bf16
+--exp-avg-sq-dtype bf16``) the oracle is the same torch AdamW step on the moments upcast to fp32,
+whose new moments are then stored rounded to bf16 to nearest even (``.bfloat16()``); the param is
+updated from the unrounded fp32 moments. That is the arithmetic of Transformer Engine's FusedAdam
+in stock's precision-aware path (fp32 math in registers, bf16 stores), on torch's op sequence.
 """
+
 from __future__ import annotations
 
 import torch
 
 
-class ReferenceAdamW:
-    """AdamW (single-tensor, fp32, ``foreach=False``) over ``[0, numel)`` split into group ranges."""
+def adamw_step_bf16_moments(param, exp_avg, exp_avg_sq, grad, *, lr, beta1, beta2, eps, weight_decay,
+                            step) -> None:
+    """One torch AdamW step (single tensor) on fp32 ``param`` and bf16 ``exp_avg``/``exp_avg_sq``,
+    in place: torch's own step on ``exp_avg.float()``, ``exp_avg_sq.float()`` and ``grad.float()``,
+    then the moments stored back rounded to nearest even. ``step`` counts this update (1 first)."""
+    p = torch.nn.Parameter(param.detach())   # shares param's storage: updated in place
+    opt = torch.optim.AdamW([p], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay,
+                            foreach=False, fused=False)
+    m32, v32 = exp_avg.float(), exp_avg_sq.float()
+    opt.state[p] = {"step": torch.tensor(float(step - 1)), "exp_avg": m32, "exp_avg_sq": v32}
+    p.grad = grad.float()
+    opt.step()
+    exp_avg.copy_(m32.bfloat16())
+    exp_avg_sq.copy_(v32.bfloat16())
 
-    def __init__(self, group_ranges, param_groups, initial_params: torch.Tensor):
+
+class ReferenceAdamW:
+    """AdamW (single-tensor, fp32, ``foreach=False``) over ``[0, numel)`` split into group ranges.
+
+    ``moment_dtype`` torch.bfloat16: after each step the moments are rounded to bf16 (nearest even)
+    and kept as those values, as a precision-aware optimizer with bf16 moments stores them."""
+
+    def __init__(self, group_ranges, param_groups, initial_params: torch.Tensor, moment_dtype=torch.float32):
+        self.moment_dtype = moment_dtype
         self.group_ranges = [tuple(r) for r in group_ranges]
         self.params = [torch.nn.Parameter(initial_params[s:e].detach().clone().float()) for s, e in self.group_ranges]
         groups = []
@@ -35,6 +62,10 @@ class ReferenceAdamW:
                 g = g * clip_coef
             p.grad = g
         self.optimizer.step()
+        if self.moment_dtype != torch.float32:
+            for st in self.optimizer.state.values():
+                for name in ("exp_avg", "exp_avg_sq"):
+                    st[name].copy_(st[name].to(self.moment_dtype))
 
     def state(self, name: str) -> torch.Tensor:
         """Flat fp32 ``param`` / ``exp_avg`` / ``exp_avg_sq`` over the whole shard."""

@@ -30,8 +30,8 @@ class StreamedFlush:
         self.handed_in = 0
 
     def write_piece(self, k: int, source=None, done=None) -> None:
-        """Piece ``k`` is final. ``source``: ``(buffer, stride)`` when the piece is in a buffer of its
-        own (its three arrays ``stride`` bytes apart) rather than in ``region``; ``done(error)`` runs
+        """Piece ``k`` is final. ``source``: ``(buffer, offsets)`` when the piece is in a buffer of its
+        own (its three arrays at ``offsets``, ``Subgroup.piece_buffer_offsets``) rather than in ``region``; ``done(error)`` runs
         on the write lane once the piece's requests are over (None, or the error that stopped them)."""
         if k != self.handed_in:
             raise ValueError(f"StreamedFlush: piece {k} handed in after {self.handed_in} of {len(self.pieces)}")
@@ -61,8 +61,8 @@ class StreamedFlush:
         if source is None:
             buffer, at = self.region, {rel: rel for rel, _ in ranges}
         else:
-            buffer, stride = source
-            at = {rel: a * stride for a, (rel, _) in enumerate(ranges)}
+            buffer, offsets = source
+            at = {rel: off for off, (rel, _) in zip(offsets, ranges)}
 
         def write():
             t0 = time.perf_counter()

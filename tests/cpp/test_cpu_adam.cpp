@@ -310,9 +310,78 @@ void test_traffic_moves_the_bytes_and_changes_nothing() {
               == -EINVAL, "null arrays refused");
 }
 
+// bf16 moments (Megatron's --exp-avg-dtype bf16): every SIMD path equals the scalar path bit for
+// bit, writes no moment element past n, and step() checksums the 2-byte moment arrays.
+void test_bf16_moments_match_scalar() {
+    const std::size_t sizes[] = {1, 7, 15, 16, 17, 33, 4099};
+    std::mt19937 rng(7);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (mlp::Isa isa : {mlp::Isa::kAvx2, mlp::Isa::kAvx512}) {
+        if (!mlp::isa_supported(isa)) continue;
+        for (std::size_t n : sizes) {
+            std::vector<float> pa(n), pb;
+            std::vector<std::uint16_t> ma(n + 1, 0), va(n + 1, 0), mb, vb;
+            std::vector<std::uint16_t> grad(n);
+            for (std::size_t i = 0; i < n; ++i) {
+                pa[i] = nd(rng);
+                grad[i] = mlp::detail::f32_to_bf16(nd(rng) * 1e-2f);
+            }
+            ma[n] = va[n] = 0xBEEF;   // sentinels past the end
+            pb = pa;
+            mb = ma;
+            vb = va;
+            mlp::AdamHyper h;
+            h.weight_decay = 0.1;
+            h.clip_coef = 0.7;
+            for (int step = 1; step <= 5; ++step) {
+                h.step = step;
+                mlp::AdamScalars s;
+                CHECK(mlp::make_adam_scalars(h, mlp::SqrtMode::kIeee, &s) == 0, "scalars");
+                CHECK(mlp::adam_update_range(mlp::Isa::kScalar, s, pa.data(), ma.data(), va.data(), grad.data(),
+                                             mlp::DType::kBFloat16, nullptr, mlp::DType::kFloat32, n,
+                                             mlp::DType::kBFloat16) == 0, "scalar bf16 moments");
+                CHECK(mlp::adam_update_range(isa, s, pb.data(), mb.data(), vb.data(), grad.data(),
+                                             mlp::DType::kBFloat16, nullptr, mlp::DType::kFloat32, n,
+                                             mlp::DType::kBFloat16) == 0, "simd bf16 moments");
+            }
+            CHECK(pa == pb, "%s param differs with bf16 moments (n=%zu)", mlp::isa_name(isa), n);
+            CHECK(ma == mb && va == vb, "%s bf16 moments differ (n=%zu)", mlp::isa_name(isa), n);
+            CHECK(mb[n] == 0xBEEF && vb[n] == 0xBEEF, "%s wrote past the bf16 moments", mlp::isa_name(isa));
+        }
+    }
+    mlp::AdamScalars s;
+    mlp::AdamHyper h;
+    CHECK(mlp::make_adam_scalars(h, mlp::SqrtMode::kIeee, &s) == 0, "scalars");
+    float p = 0.f, m = 0.f, v = 0.f, g = 0.f;
+    CHECK(mlp::adam_update_range(mlp::Isa::kScalar, s, &p, &m, &v, &g, mlp::DType::kFloat32, nullptr,
+                                 mlp::DType::kFloat32, 1, mlp::DType::kFloat16) == -EINVAL, "fp16 moments refused");
+    // step(): the CRCs of the bf16 arrays are of their 2-byte elements, over the pool's pieces.
+    const std::size_t n = 200003;
+    std::vector<float> param(n);
+    std::vector<std::uint16_t> m16(n), v16(n), grad(n);
+    for (std::size_t i = 0; i < n; ++i) {
+        param[i] = nd(rng);
+        m16[i] = mlp::detail::f32_to_bf16(nd(rng) * 1e-3f);
+        v16[i] = mlp::detail::f32_to_bf16(std::fabs(nd(rng)) * 1e-6f);
+        grad[i] = mlp::detail::f32_to_bf16(nd(rng) * 1e-2f);
+    }
+    const std::uint32_t before[3] = {mlp::crc32c(param.data(), n * 4), mlp::crc32c(m16.data(), n * 2),
+                                     mlp::crc32c(v16.data(), n * 2)};
+    mlp::CpuAdam adam(2);
+    h.step = 3;
+    std::uint32_t in_crcs[3], out_crcs[3];
+    CHECK(adam.step(h, param.data(), m16.data(), v16.data(), grad.data(), mlp::DType::kBFloat16, nullptr,
+                    mlp::DType::kFloat32, n, 0, out_crcs, in_crcs, mlp::DType::kBFloat16) == 0, "step bf16 moments");
+    for (int a = 0; a < 3; ++a) CHECK(in_crcs[a] == before[a], "bf16 step: crc before, array %d", a);
+    CHECK(out_crcs[0] == mlp::crc32c(param.data(), n * 4), "bf16 step: param crc after");
+    CHECK(out_crcs[1] == mlp::crc32c(m16.data(), n * 2), "bf16 step: exp_avg crc after");
+    CHECK(out_crcs[2] == mlp::crc32c(v16.data(), n * 2), "bf16 step: exp_avg_sq crc after");
+}
+
 int main() {
     test_traffic_moves_the_bytes_and_changes_nothing();
     test_simd_paths_match_scalar();
+    test_bf16_moments_match_scalar();
     test_conversions();
     test_pool_covers_every_element_once();
     test_crc32c();

@@ -88,8 +88,6 @@ def test_adam_with_l2_weight_decay_is_refused_at_start(tmp_path):
 
 
 @pytest.mark.parametrize("field,flag", [("main_params_dtype", "--main-params-dtype"),
-                                        ("exp_avg_dtype", "--exp-avg-dtype"),
-                                        ("exp_avg_sq_dtype", "--exp-avg-sq-dtype"),
                                         ("main_grads_dtype", "--main-grads-dtype")])
 def test_low_precision_optimizer_state_is_refused_naming_the_flag(field, flag):
     config = SimpleNamespace(**{field: torch.bfloat16})

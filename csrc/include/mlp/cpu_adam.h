@@ -81,10 +81,19 @@ struct AdamScalars {
 // Returns 0, or -EINVAL when the hyper-parameters cannot be used (step < 1, non-finite values).
 int make_adam_scalars(const AdamHyper& h, SqrtMode mode, AdamScalars* out);
 
-// One thread's share: elements [0, n) of the given arrays. `out` may be null.
+// Whether the kernel stores Adam's moments (exp_avg, exp_avg_sq) in `dt`: fp32, or bf16 as
+// Megatron's precision-aware optimizer does (--exp-avg-dtype / --exp-avg-sq-dtype bf16). With
+// bf16 moments the arithmetic is unchanged (fp32 in registers, the op sequence above, the param
+// updated from the unrounded fp32 moments); only the stored moments are rounded to bf16, to
+// nearest even (torch's .bfloat16()). fp16 moments are not: stock scales them per tensor.
+bool moment_dtype_supported(DType dt);
+
+// One thread's share: elements [0, n) of the given arrays. `out` may be null. exp_avg and
+// exp_avg_sq hold `moment_dtype` elements (fp32 or bf16, see moment_dtype_supported).
 // Returns 0 or -EINVAL (unknown dtype / unsupported isa).
-int adam_update_range(Isa isa, const AdamScalars& s, float* param, float* exp_avg, float* exp_avg_sq,
-                      const void* grad, DType grad_dtype, void* out, DType out_dtype, std::size_t n);
+int adam_update_range(Isa isa, const AdamScalars& s, float* param, void* exp_avg, void* exp_avg_sq,
+                      const void* grad, DType grad_dtype, void* out, DType out_dtype, std::size_t n,
+                      DType moment_dtype = DType::kFloat32);
 
 // adam_update_range that also gives the CRC-32C (seed 0) of the param, exp_avg and exp_avg_sq
 // arrays as they were before the update (`in_crcs`, 3 values; may be null) and after it
@@ -160,9 +169,12 @@ public:
     // verified by the pass that updates it instead of a pass of its own. On the AVX2 path of a
     // CPU with VPCLMULQDQ both are folded from the vectors the update loads and stores instead
     // of tile by tile (adam_update_range_checksummed). Returns 0 or -EINVAL.
-    int step(const AdamHyper& hyper, float* param, float* exp_avg, float* exp_avg_sq, const void* grad,
+    // `moment_dtype`: what exp_avg and exp_avg_sq hold (fp32, or bf16; the CRCs are then of their
+    // n * 2 bytes, and always tile by tile).
+    int step(const AdamHyper& hyper, float* param, void* exp_avg, void* exp_avg_sq, const void* grad,
              DType grad_dtype, void* out, DType out_dtype, std::size_t n, int num_threads = 0,
-             std::uint32_t* crcs = nullptr, std::uint32_t* in_crcs = nullptr);
+             std::uint32_t* crcs = nullptr, std::uint32_t* in_crcs = nullptr,
+             DType moment_dtype = DType::kFloat32);
 
     int grad_stats(const void* grad, DType dtype, std::size_t n, GradStats* out, int num_threads = 0);
 
@@ -205,6 +217,13 @@ void adam_avx2(const AdamScalars& s, float* p, float* m, float* v, const void* g
                DType odt, std::size_t n);
 void adam_avx512(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt, void* out,
                  DType odt, std::size_t n);
+// The same paths with bf16 moments (fp32 arithmetic, moments stored rounded to nearest even).
+void adam_scalar_m16(const AdamScalars& s, float* p, std::uint16_t* m, std::uint16_t* v, const void* g, DType gdt,
+                     void* out, DType odt, std::size_t n);
+void adam_avx2_m16(const AdamScalars& s, float* p, std::uint16_t* m, std::uint16_t* v, const void* g, DType gdt,
+                   void* out, DType odt, std::size_t n);
+void adam_avx512_m16(const AdamScalars& s, float* p, std::uint16_t* m, std::uint16_t* v, const void* g, DType gdt,
+                     void* out, DType odt, std::size_t n);
 // adam_avx2 folding the loaded and stored state into CRC-32Cs (crc32c_fold256_supported CPUs).
 void adam_avx2_checksummed(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt, void* out,
                            DType odt, std::size_t n, std::uint32_t* in_crcs, std::uint32_t* out_crcs);

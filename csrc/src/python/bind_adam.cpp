@@ -90,7 +90,7 @@ void bind_adam(py::module_& m) {
                std::uintptr_t grad, int grad_dtype, std::uintptr_t out, int out_dtype, std::size_t n, double lr,
                double beta1, double beta2, double eps, double weight_decay, std::int64_t step,
                double inv_loss_scale, double clip_coef, int num_threads, bool checksums,
-               bool input_checksums) -> py::object {
+               bool input_checksums, int moment_dtype) -> py::object {
                 AdamHyper h;
                 h.lr = lr;
                 h.beta1 = beta1;
@@ -100,14 +100,17 @@ void bind_adam(py::module_& m) {
                 h.step = step;
                 h.inv_loss_scale = inv_loss_scale;
                 h.clip_coef = clip_coef;
-                const DType gdt = to_dtype(grad_dtype), odt = to_dtype(out_dtype);
+                const DType gdt = to_dtype(grad_dtype), odt = to_dtype(out_dtype), mdt = to_dtype(moment_dtype);
+                if (!moment_dtype_supported(mdt))
+                    throw py::value_error(std::string("fused Adam: moments in ") + dtype_name(mdt) +
+                                          " are not supported (fp32 or bf16)");
                 std::uint32_t crcs[3] = {0, 0, 0}, in_crcs[3] = {0, 0, 0};
                 int rc;
                 {
                     py::gil_scoped_release release;
-                    rc = a.step(h, ptr<float>(param), ptr<float>(exp_avg), ptr<float>(exp_avg_sq),
+                    rc = a.step(h, ptr<float>(param), ptr<void>(exp_avg), ptr<void>(exp_avg_sq),
                                 ptr<const void>(grad), gdt, out ? ptr<void>(out) : nullptr, odt, n, num_threads,
-                                checksums ? crcs : nullptr, input_checksums ? in_crcs : nullptr);
+                                checksums ? crcs : nullptr, input_checksums ? in_crcs : nullptr, mdt);
                 }
                 check(rc, "fused Adam step");
                 py::object after = checksums ? py::object(py::make_tuple(crcs[0], crcs[1], crcs[2])) : py::none();
@@ -118,8 +121,8 @@ void bind_adam(py::module_& m) {
             py::arg("out"), py::arg("out_dtype"), py::arg("numel"), py::arg("lr"), py::arg("beta1"),
             py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
             py::arg("inv_loss_scale"), py::arg("clip_coef"), py::arg("num_threads"), py::arg("checksums") = false,
-            py::arg("input_checksums") = false,
-            "One AdamW step; with checksums=True returns the CRC-32C of the updated (param, exp_avg, "
+            py::arg("input_checksums") = false, py::arg("moment_dtype") = 0,
+            "One AdamW step (exp_avg and exp_avg_sq in moment_dtype: 0 fp32, 1 bf16); with checksums=True returns the CRC-32C of the updated (param, exp_avg, "
             "exp_avg_sq), computed while each tile is in cache, else None; with input_checksums=True "
             "returns (CRC-32C of the three before the update, that result).")
         .def(

@@ -14,7 +14,7 @@ Example::
         --host-memory 48GB --node-memory 512GB --node-cores 64
 
 Each rank holds ``num_params / data_parallel_size`` parameters of optimizer state (fp32 param, Adam
-m and v: 12 bytes each), split into the optimizer's subgroups of ``subgroup_params`` (each stored as
+m and v: 12 bytes each, 8 with ``--state-dtype bf16``), split into the optimizer's subgroups of ``subgroup_params`` (each stored as
 one region of three 4096-aligned arrays); every step reads and writes each subgroup once, except
 what the host cache and, with the alternating order, the optimizer's working buffers save (see
 ``--cache-model`` and ``--working-buffers``). The subgroups, the host budget and the bytes each tier
@@ -36,7 +36,7 @@ import sys
 
 from megatron_mlp.config import MLPOffloadConfig, check_subgroup_size
 from megatron_mlp.errors import ConfigError, TierCapacityError
-from megatron_mlp.optim.host_memory import MIN_WORKING_BUFFERS
+from megatron_mlp.optim.host_memory import MIN_WORKING_BUFFERS, config_moment_bytes
 from megatron_mlp.optim.placement.model import update_seconds
 from megatron_mlp.optim.placement.report import format_shared_load
 from megatron_mlp.optim.placement.node import place_node
@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-cores", type=int, default=None, metavar="N",
                    help="cores of a compute node, shared by its ranks' Adam kernels (default: this machine's)")
     p.add_argument("--host-cache-bytes", default="0", help="host-cache budget per rank, e.g. 8GB (default 0)")
+    p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="Adam moments as the tiers store them: fp32 (12 bytes per param with the fp32 master, "
+                        "default) or bf16 (8: Megatron's --use-precision-aware-optimizer with --exp-avg-dtype bf16 "
+                        "--exp-avg-sq-dtype bf16)")
     p.add_argument("--cache-model", choices=("alternate", "resident"), default="alternate",
                    help="'alternate' (default, --mlp-offload-order alternate: the cached subgroups at both ends "
                         "skip a read or a write each iteration) or 'resident' (cached subgroups never move)")
@@ -135,7 +139,8 @@ def optimizer_config(args, specs, subgroup_params: int, host_memory_bytes: int,
                             host_cache_bytes=host_cache_bytes, warm_buffers=working != 0,
                             order="alternate" if args.cache_model == "alternate" else "ascending",
                             calibration="off", ranks_per_node=args.ranks_per_node, num_nodes=args.nodes,
-                            node_memory_bytes=node_memory_bytes, **depths)
+                            node_memory_bytes=node_memory_bytes,
+                            moment_dtype=getattr(args, "state_dtype", "fp32"), **depths)
 
 
 def make_plan(args) -> dict:
@@ -149,7 +154,7 @@ def make_plan(args) -> dict:
         raise ConfigError(f"--num-params: {args.num_params} ({num_params:.3g} params) is beyond what can be planned "
                           f"(at most {MAX_NUM_PARAMS:.0e})")
     subgroup_params = parse_count(args.subgroup_params, "--subgroup-params")
-    check_subgroup_size(subgroup_params, "--subgroup-params")
+    check_subgroup_size(subgroup_params, "--subgroup-params", moment_dtype=args.state_dtype)
     if args.ranks_per_node < 1:
         raise ConfigError(f"--ranks-per-node: {args.ranks_per_node} must be >= 1")
     if args.nodes < 1:
@@ -167,7 +172,7 @@ def make_plan(args) -> dict:
     shard = -(-num_params // dp)   # integers throughout: a float of 1e30 params would overflow below
     _check_subgroup_count(shard, subgroup_params)
     config = optimizer_config(args, specs, subgroup_params, budget, host_cache, node_memory)
-    plan = SubgroupPlan([(0, shard)], subgroup_params)
+    plan = SubgroupPlan([(0, shard)], subgroup_params, config_moment_bytes(config))
     traffic = step_traffic(plan, config, staging_bytes=STAGING_BYTES_PER_PARAM * shard)
 
     resolved = resolve_tiers(specs, calibration=args.calibration, probe=not args.no_probe,
