@@ -134,6 +134,8 @@ class OffloadInner:
 
     def _step(self):
         t0 = time.perf_counter()
+        if not self._wait_for_update():
+            return None
         self._timing = {"h2d": []}
         with phase("grad-d2h"):
             self._start_grad_copies(self._grad_chunks())
@@ -181,6 +183,25 @@ class OffloadInner:
                            "bytes_d2h": self._grads_host.numel() * self._grads_host.element_size(),
                            "bytes_h2d": self._params_host.numel() * self._params_host.element_size()}
         return None
+
+    def _wait_for_update(self) -> bool:
+        """Under --mlp-offload-overlap-io the last step's write-backs ran behind forward and
+        backward and own the staging buffers until they end: wait for them before the gradient
+        copies. False when they failed and no tier could take the state: this step is not applied
+        (its counter does not move), the failure goes to the outer optimizer's emergency path."""
+        wait = getattr(self.offload, "wait_for_update", None)
+        if wait is None:
+            return True
+        try:
+            wait()
+        except TierFailure as e:
+            if not (e.step_completed and e.state_complete):
+                raise
+            logger.error("MLP-Offload: the last step's write-backs failed behind the caller; this "
+                         "iteration's update is not applied")
+            self.tier_failure = e
+            return False
+        return True
 
     def take_tier_bytes(self) -> dict[str, tuple[int, int]]:
         """{tier path: (bytes read, bytes written)} since the last call, then start counting anew."""

@@ -75,6 +75,16 @@ def test_losses_and_params_bitwise_equal_stock_when_bf16_grad_buffer(tmp_path, t
 
 
 @REAL
+def test_bitwise_equal_stock_when_state_io_runs_outside_the_step(tmp_path):
+    """--mlp-offload-overlap-io: every subgroup is read and written back every step (no cache, no
+    warm buffers, two tiers), the last write-backs run behind the next forward and the next step's
+    first reads start behind it; losses and params stay bitwise stock's."""
+    config = _config(tmp_path, num_tiers=2, subgroup_params=4096, warm_buffers=False, overlap_io=True)
+    ours = run_distributed(train, 2, SPEC, 1, config, ITERS)
+    _assert_bitwise(ours, _stock(1))
+
+
+@REAL
 def test_pipeline_parallel_stages_bitwise_equal_stock(tmp_path):
     """PP=2 through Megatron's pipeline schedule: each stage has its own optimizer and shard, the
     grad norm for clipping spans both stages, and the embedding shared by the first and last stage
