@@ -294,7 +294,8 @@ class OffloadAdam:
                 end_trace()
         if self.config.overlap_io:
             self.in_flight.start(pipeline, stats, prefetch_for=prefetch_for)
-            self.last_step_stats = stats.as_dict()   # the write-backs still add to it (see _settle)
+            stats.peak_host_bytes = self.peak_host_bytes   # all refreshed when the work ends (_settle)
+            self.last_step_stats = stats.as_dict()
             return
         self._after_write_backs(stats, failed_flushes)
 

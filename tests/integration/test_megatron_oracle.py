@@ -75,13 +75,24 @@ def test_losses_and_params_bitwise_equal_stock_when_bf16_grad_buffer(tmp_path, t
 
 
 @REAL
-def test_bitwise_equal_stock_when_state_io_runs_outside_the_step(tmp_path):
+@pytest.mark.parametrize("scenario", ["dp2", "tp2", "pp2", "fp16-skips"])
+def test_bitwise_equal_stock_when_state_io_runs_outside_the_step(tmp_path, scenario):
     """--mlp-offload-overlap-io: every subgroup is read and written back every step (no cache, no
     warm buffers, two tiers), the last write-backs run behind the next forward and the next step's
-    first reads start behind it; losses and params stay bitwise stock's."""
+    first reads start behind it; losses and params stay bitwise stock's, with clipping active,
+    under TP and PP = 2 and with fp16 loss scaling that skips steps."""
     config = _config(tmp_path, num_tiers=2, subgroup_params=4096, warm_buffers=False, overlap_io=True)
-    ours = run_distributed(train, 2, SPEC, 1, config, ITERS)
-    _assert_bitwise(ours, _stock(1))
+    if scenario == "pp2":
+        _assert_bitwise(run_distributed(train_pipeline, 2, SPEC, 2, config, ITERS),
+                        run_distributed(train_pipeline, 2, SPEC, 2, None, ITERS))
+    elif scenario == "fp16-skips":
+        spec, overrides = gpt.TinyGPT(bf16=False, fp16=True), {"initial_loss_scale": 2.0 ** 20}
+        stock = run_distributed(train, 2, spec, 1, None, ITERS, False, None, overrides)
+        assert int(stock[0][1]["__skipped_steps__"]) >= 1
+        _assert_bitwise(run_distributed(train, 2, spec, 1, config, ITERS, False, None, overrides), stock)
+    else:
+        tp = 2 if scenario == "tp2" else 1
+        _assert_bitwise(run_distributed(train, 2, SPEC, tp, config, ITERS), _stock(tp))
 
 
 @REAL
