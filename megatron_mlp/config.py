@@ -154,7 +154,9 @@ class MLPOffloadConfig:
     """--mlp-offload-overlap-io: the state I/O of a step runs outside it. The last write-backs of a
     step complete behind the caller (the next forward) and the next step's first reads start as
     soon as they allow, within the host budget; everything that reads params or state waits for
-    them first (optim/update_in_flight.py). Bitwise the serial step. Off by default: the gradient
+    them first (optim/update_in_flight.py). With Megatron's --overlap-param-gather the kernels too run
+    behind the caller, each bucket's all-gather waiting for its own params (megatron/hand_off.py).
+    Bitwise the serial step. Off by default: the gradient
     and params buffers belong to the update until the next call that waits, and a write-back
     that fails surfaces at that call rather than at the step."""
     host_pool_pieces: bool = True

@@ -194,6 +194,12 @@ class InFlight:
     def busy(self) -> bool:
         return self.flight is not None and not self.flight.done()
 
+    @property
+    def updating(self) -> bool:
+        """Whether the kernels of a step (``wait=False``) are still running behind the caller."""
+        flight = self.flight
+        return flight is not None and not flight.computed and not flight.done()
+
     def take_prefetch(self, order, keep) -> Prefetch | None:
         """The prefetch for a step over ``order`` keeping ``keep``; one made for another is dropped."""
         pre, self.prefetch = self.prefetch, None
