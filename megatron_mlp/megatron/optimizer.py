@@ -340,6 +340,9 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         if self.is_stub_optimizer:
             return
         self._drop_staged()
+        wait = getattr(self.optimizer.offload, "wait_for_update", None)
+        if wait is not None:
+            wait()   # an update handed out bucket by bucket may still write the param buffer (hand_off.py)
         source = {}
         if state_dict is not None:
             source = self._build_model_param_to_state_dict_param_map(state_dict)
