@@ -168,6 +168,15 @@ class MLPOffloadConfig:
     too: they keep the subgroups updated last, unwritten, and the next step, which runs the other
     way, updates them first without reading them and writes one back only when a fetch needs its
     buffer: fewer bytes read and written, no extra host memory."""
+    overlap_io: bool = False
+    """--mlp-offload-overlap-io: the state I/O of a step runs outside it. The last write-backs of a
+    step complete behind the caller (the next forward) and the next step's first reads start as
+    soon as they allow, within the host budget; everything that reads params or state waits for
+    them first (optim/update_in_flight.py). With Megatron's --overlap-param-gather the kernels too run
+    behind the caller, each bucket's all-gather waiting for its own params (megatron/hand_off.py).
+    Bitwise the serial step. Off by default: the gradient
+    and params buffers belong to the update until the next call that waits, and a write-back
+    that fails surfaces at that call rather than at the step."""
     host_pool_pieces: bool = True
     """No flag: with a given ``host_memory_bytes``, subgroups larger than a few pieces stream through
     a pool of pieces (optim/piece_stream.py). False keeps whole-subgroup working buffers at any

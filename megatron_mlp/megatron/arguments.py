@@ -144,6 +144,14 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="Ablation: write back every subgroup outside the host cache in the step that "
                         "updates it (by default the working buffers keep the ones updated last, unwritten, "
                         "for the next step, which updates them first).")
+    g.add_argument("--mlp-offload-overlap-io", dest="mlp_offload_overlap_io", action="store_true",
+                   default=_DEFAULTS["overlap_io"],
+                   help="Run a step's state I/O outside it: its last write-backs complete behind the next "
+                        "forward and the next step's first reads start as soon as they allow (within "
+                        "--mlp-offload-host-memory); reads of params or state wait for them. Bitwise the "
+                        "serial step; a failed background write-back is raised by the next step. With "
+                        "--overlap-param-gather the kernels too run behind the caller and each bucket "
+                        "group's param all-gather waits only for its own params.")
     g.add_argument("--mlp-offload-grad-transfer", choices=GRAD_TRANSFERS, default=_DEFAULTS["grad_transfer"],
                    help="How the reduced gradient shard leaves the GPU. 'auto': in the grad buffer's dtype, "
                         "bitwise what stock Megatron updates with (fp32, 4 bytes/param, under --bf16 unless "
@@ -248,6 +256,7 @@ def config_from_args(args, ranks_per_node: int | None = None) -> MLPOffloadConfi
         cache_order=args.mlp_offload_cache_order,
         deferred_upcast=args.mlp_offload_deferred_upcast,
         warm_buffers=args.mlp_offload_warm_buffers,
+        overlap_io=getattr(args, "mlp_offload_overlap_io", _DEFAULTS["overlap_io"]),
         grad_transfer=getattr(args, "mlp_offload_grad_transfer", _DEFAULTS["grad_transfer"]),
         trace_dir=getattr(args, "mlp_offload_trace", _DEFAULTS["trace_dir"]),
         trace_steps=_trace_steps(args),

@@ -99,6 +99,12 @@ class OffloadInner:
         self.tier_bytes: dict[str, list[int]] = {}
         self.metrics = IntervalMetrics()   # taken by the training-log hook for Megatron's writers
         self._trace = None                 # the StepTrace while a step runs (copies' spans)
+        # The update runs behind the caller and each bucket's all-gather waits for its own params
+        # (megatron/hand_off.py); set by hand_params_off_by_bucket.
+        self.hand_off = False
+        self._param_events: list = []      # (start, end, CUDA event) per H2D copy of this step
+        # Buckets handed their params, and of those, how many while the update's kernels still ran.
+        self.bucket_waits = [0, 0]
         _log_grad_transfer(grad_dtype, self.transfer_dtype, numel, grad_transfer)
 
     @property
@@ -134,7 +140,11 @@ class OffloadInner:
 
     def _step(self):
         t0 = time.perf_counter()
+        if not self._wait_for_update():
+            return None
         self._timing = {"h2d": []}
+        self._param_events = []
+        hand_off = self.hand_off and hasattr(self.offload, "wait_for_params")
         with phase("grad-d2h"):
             self._start_grad_copies(self._grad_chunks())
         t1 = time.perf_counter()
@@ -152,7 +162,8 @@ class OffloadInner:
 
         try:
             self.offload.step(self._grads_host, self._params_host, inv_loss_scale=self.inv_loss_scale,
-                              clip_coef=self.clip_coef, on_subgroup_done=on_subgroup_done, grads_ready=grads_ready)
+                              clip_coef=self.clip_coef, on_subgroup_done=on_subgroup_done, grads_ready=grads_ready,
+                              **({"wait": False} if hand_off else {}))
         except TierFailure as e:
             if not (e.step_completed and e.state_complete):
                 raise
@@ -162,12 +173,12 @@ class OffloadInner:
             self.tier_failure = e
         finally:
             self._wait_for_grads(0, self._numel)   # no copy into the staging buffer outlives the step
-        if self._cuda:
+        if self._cuda and not hand_off:
             # The kernels are done: an event on the idle D2H stream marks the moment, so that the
             # H2D copies' tail after it can be read off the GPU's clock.
             self._timing["kernels_done"] = self._record_event(self._d2h_stream)
             self._timing["kernels_done_host"] = time.perf_counter()
-        if self._h2d_stream is not None:
+        if self._h2d_stream is not None and not hand_off:   # else each bucket's all-gather waits (wait_for_params)
             torch.cuda.current_stream().wait_stream(self._h2d_stream)
         t2 = time.perf_counter()
         for i, tier in enumerate(self.offload.last_step_stats.get("tiers", [])):
@@ -181,6 +192,42 @@ class OffloadInner:
                            "bytes_d2h": self._grads_host.numel() * self._grads_host.element_size(),
                            "bytes_h2d": self._params_host.numel() * self._params_host.element_size()}
         return None
+
+    def _wait_for_update(self) -> bool:
+        """Under --mlp-offload-overlap-io the last step's write-backs ran behind forward and
+        backward and own the staging buffers until they end: wait for them before the gradient
+        copies. False when they failed and no tier could take the state: this step is not applied
+        (its counter does not move), the failure goes to the outer optimizer's emergency path."""
+        wait = getattr(self.offload, "wait_for_update", None)
+        if wait is None:
+            return True
+        try:
+            wait()
+        except TierFailure as e:
+            if not (e.step_completed and e.state_complete):
+                raise
+            logger.error("MLP-Offload: the last step's write-backs failed behind the caller; this "
+                         "iteration's update is not applied")
+            self.tier_failure = e
+            return False
+        return True
+
+    def wait_for_params(self, ranges) -> None:
+        """Return once this rank's updated params in ``ranges`` (``[(start, end), ...]`` of the flat
+        shard) are in the param buffer -- on a GPU, once their H2D copies are ordered before the
+        current stream's next work (an all-gather): megatron/hand_off.py."""
+        wait = getattr(self.offload, "wait_for_params", None)
+        if wait is None:
+            return
+        for start, end in ranges:
+            wait(start, end)
+        self.bucket_waits[0] += 1
+        self.bucket_waits[1] += bool(getattr(getattr(self.offload, "in_flight", None), "updating", False))
+        if self._cuda:
+            stream = torch.cuda.current_stream()
+            for lo, hi, event in list(self._param_events):
+                if any(lo < end and start < hi for start, end in ranges):
+                    stream.wait_event(event)
 
     def take_tier_bytes(self) -> dict[str, tuple[int, int]]:
         """{tier path: (bytes read, bytes written)} since the last call, then start counting anew."""
@@ -322,7 +369,9 @@ class OffloadInner:
                 done.append((lo, hi))
         finally:
             if ctx is not None:
-                self._timing.setdefault("h2d", []).append((first, self._record_event(self._h2d_stream), moved))
+                last = self._record_event(self._h2d_stream)
+                self._timing.setdefault("h2d", []).append((first, last, moved))
+                self._param_events.append((start, end, last))
                 ctx.__exit__(None, None, None)
             elif self._trace is not None and done:
                 self._trace.span("H2D", "param copy", t0, time.perf_counter(), bytes=moved,

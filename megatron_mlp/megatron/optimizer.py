@@ -105,6 +105,9 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         # optimizer of this call: they share one host budget (chained.finish_build).
         self.optimizer = OffloadInner(torch_groups, self._segments, self._numel, self._grad_dtype,
                                        self._param_dtype, None, grad_transfer=self.mlp_config.grad_transfer)
+        if getattr(self.mlp_config, "overlap_io", False) and getattr(self.ddp_config, "overlap_param_gather", False):
+            from megatron_mlp.megatron.hand_off import hand_params_off_by_bucket
+            hand_params_off_by_bucket(self)   # the update behind the caller, handed out bucket by bucket
         type(self)._built.append(self)
 
     @property
@@ -356,6 +359,9 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         if self.is_stub_optimizer:
             return
         self._drop_staged()
+        wait = getattr(self.optimizer.offload, "wait_for_update", None)
+        if wait is not None:
+            wait()   # an update handed out bucket by bucket may still write the param buffer (hand_off.py)
         source = {}
         if state_dict is not None:
             source = self._build_model_param_to_state_dict_param_map(state_dict)

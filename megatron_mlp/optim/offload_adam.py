@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from megatron_mlp.errors import ConfigError, TierFailure
+from megatron_mlp.errors import TierFailure
 from megatron_mlp.optim.failover import FailoverStats, take_out_of_service
 from megatron_mlp.optim.host_memory import config_moment_bytes
 from megatron_mlp.optim.kernel_call import AdamKernel, StepInputs
@@ -32,20 +32,20 @@ from megatron_mlp.optim.placement import host_memory_for, placement_tiers, plan_
 from megatron_mlp.optim.placement.model import update_seconds
 from megatron_mlp.optim.residency import Residency
 from megatron_mlp.optim.schedule import iteration_order
-from megatron_mlp.optim.state_access import LazyStateChunk, StateAccess, chunk_start
+from megatron_mlp.optim.state_access import LazyStateChunk, StateAccess
 from megatron_mlp.optim.stats import StepStats, TierStepStats
 from megatron_mlp.optim.step_pipeline import StepPipeline
 from megatron_mlp.optim.subgroups import SubgroupPlan, piece_params_for
-from megatron_mlp.optim.transaction import (check_chunk, check_scale, check_state_dict, check_step_count,
-                                            checked_hyper, partial_error)
+from megatron_mlp.optim.transaction import (GRAD_DTYPES, check_flat, check_scale, check_state_dict,
+                                            check_step_count, checked_hyper, merge_range, partial_error,
+                                            with_defaults)
+from megatron_mlp.optim.update_in_flight import InFlight, ParamHandOff, Prefetch
 from megatron_mlp.optim.tier_stores import (TierStores, check_tiers_and_sizes, clean_stale_scratch,
                                             default_engine_factory, default_token_factory)
 from megatron_mlp.tier.free_space import node_snapshot
 
 logger = logging.getLogger("megatron_mlp.optim.offload_adam")
-GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_DICT_FORMAT = "megatron_mlp.OffloadAdam/1"
-_DEFAULTS = {"weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8}
 __all__ = ["OffloadAdam", "LazyStateChunk", "GRAD_DTYPES", "STATE_DICT_FORMAT"]
 
 
@@ -84,7 +84,7 @@ class OffloadAdam:
         # buffers and the cache; refused here, before anything is created, when it cannot fit.
         self.host_memory = host_memory_for(self.plan, config, int(staging_bytes))
         logger.info("MLP-Offload rank %d: %s", rank, self.host_memory.describe())
-        self.param_groups = _with_defaults(param_groups, len(self.plan.group_ranges))
+        self.param_groups = with_defaults(param_groups, len(self.plan.group_ranges))
         # Megatron-style per-group state; 'step' drives the bias correction.
         self.state = {g: {"step": 0} for g in range(len(param_groups))}
         self.numel = self.plan.numel
@@ -113,6 +113,7 @@ class OffloadAdam:
         self.placement_tiers = placement_tiers(config, ranks_per_node, rooms=rooms)   # bandwidths, for the schedule
         self.failover = FailoverStats()
         self._halted: TierFailure | None = None
+        self.in_flight = InFlight()   # a step's work running behind the caller (update_in_flight.py)
         self._partial_step: str | None = None   # why the state is partial (a step or load stopped), until a load
         self._restored: list[tuple[int, int]] = []   # whole ranges written since it became partial
         from megatron_mlp.tier.scratch import install_sigterm_cleanup
@@ -192,7 +193,7 @@ class OffloadAdam:
         ``clip_coef``, and skips the step (``found_inf=True``) when any rank found inf/nan.
         """
         from megatron_mlp.optim.fused_adam import grad_stats
-        _check_flat("grads", grads, self.numel)
+        check_flat("grads", grads, self.numel)
         sumsq, nonfinite = grad_stats(grads)
         return float(sumsq), bool(nonfinite)
 
@@ -204,7 +205,7 @@ class OffloadAdam:
 
     def step(self, grads: torch.Tensor, params_out: torch.Tensor | None = None, *,
              inv_loss_scale: float = 1.0, clip_coef: float = 1.0, on_subgroup_done=None,
-             found_inf: bool = False, grads_ready=None) -> None:
+             found_inf: bool = False, grads_ready=None, wait: bool = True) -> None:
         """One AdamW step over the whole shard.
 
         Args:
@@ -216,6 +217,13 @@ class OffloadAdam:
             grads_ready: ``callback(start, end)`` that returns once ``grads[start:end]`` holds the
                 gradient, called before the kernel reads a subgroup's slice; the fetches start
                 before it, so a gradient still being copied in overlaps the tiers' reads.
+            wait: False returns once the inputs are checked: the kernels run behind the caller,
+                ``wait_for_params(start, end)`` returns once that range is handed out (callbacks
+                then run on a worker thread). With ``config.overlap_io`` (or ``wait=False``) the
+                step's last write-backs complete behind the caller, and ``grads`` and
+                ``params_out`` belong to the update until the next call that waits for it
+                (``wait_for_update``, the next step, any read or write of the state): see
+                optim/update_in_flight.py. Errors of that work are raised by that call.
         Raises:
             TierIOError: a fetch failed (after one retry, or timed out): the step stopped where it
                 happened and is partly applied -- restore from the last checkpoint.
@@ -231,17 +239,17 @@ class OffloadAdam:
             TypeError, ValueError: a hyper-parameter or counter is not a usable number (names the
                 field, e.g. ``param_groups[0]['lr']``); nothing has changed, fix it and step again.
 
-        A step is a transaction: every input is checked before anything changes, and the step
-        counters move only once every subgroup is updated. An exception or interrupt before the
-        pipeline starts leaves everything as it was; one after leaves the optimizer partial.
+        A step is a transaction: every input is checked before anything changes, the counters
+        move once every subgroup is updated; an error after the pipeline starts leaves it partial.
         """
-        self._check_open()
+        self._check_open(settle=False)
+        self._settle(keep_prefetch=True)   # the last step's work in flight; its failover, if any
         if self._halted is not None:
             raise self._halted
         self._check_whole()
-        _check_flat("grads", grads, self.numel)
+        check_flat("grads", grads, self.numel)
         if params_out is not None:
-            _check_flat("params_out", params_out, self.numel)
+            check_flat("params_out", params_out, self.numel)
         inv_loss_scale, clip_coef = check_scale(inv_loss_scale, clip_coef)
         steps = [check_step_count(f"state[{g}]['step']", self.state[g]["step"]) + 1 for g in sorted(self.state)]
         hyper = checked_hyper(self.param_groups, steps)   # before anything changes (an LR scheduler's None)
@@ -257,47 +265,111 @@ class OffloadAdam:
             return
         order = self.next_order()
         stats.order = "ascending" if len(order) < 2 or order[0] < order[-1] else "descending"
-        inputs = StepInputs(grads, params_out, hyper, inv_loss_scale, clip_coef, on_subgroup_done, grads_ready,
-                            self.trace)
+        hand_off = None if wait else ParamHandOff(self.plan, on_subgroup_done)
+        inputs = StepInputs(grads, params_out, hyper, inv_loss_scale, clip_coef,
+                            on_subgroup_done if wait else hand_off.done, grads_ready, self.trace)
         step_no = hyper[0]["step"] if hyper else self._iteration + 1
         if self.trace is not None:
             self.trace.begin_step(step_no)
         from megatron_mlp.observe.ranges import phase
-        try:
-            keep, carried = self.residency.plan_step(order)
-            with phase("update"):
-                failed_flushes = StepPipeline(self, order, keep, carried, inputs, stats).run()
-            # Committed: every subgroup is updated (a failed write-back keeps its new state in host
-            # memory). Only now do the counters move, so a step that stopped is never retried with
-            # the next step's bias correction.
+
+        def commit():
+            # Every subgroup is updated (a failed write-back keeps its new state in host memory):
+            # only now do the counters move, so a step that stopped is never retried with the
+            # next step's bias correction.
             for g, n in zip(sorted(self.state), steps):
                 self.state[g]["step"] = n
             self._iteration += 1
+            stats.step_s = time.perf_counter() - t_step
+
+        def end_trace():
+            if self.trace is not None:
+                self.trace.span("step", f"update {step_no}", t_step, time.perf_counter(), subgroups=len(order))
+                self.trace.end_step(step_no)
+
+        prefetch_for = (lambda: Prefetch(self, self.next_order(), self.residency.keep_for(self.next_order()))) \
+            if self.config.overlap_io else None
+        try:
+            keep, carried = self.residency.plan_step(order)
+            pipeline = StepPipeline(self, order, keep, carried, inputs, stats, self.in_flight.take_prefetch(order, keep))
+            if not wait:
+                self.in_flight.start(pipeline, stats, commit=lambda: (commit(), end_trace()),
+                                     prefetch_for=prefetch_for, hand_off=hand_off)
+                return
+            with phase("update"):
+                failed_flushes = pipeline.run(defer=self.config.overlap_io)
+            commit()
         except BaseException as e:
             # Whatever stopped it (IntegrityError, a failed read, Ctrl-C), the step is partly applied.
             self._mark_partial(f"step {step_no} stopped part-way by {type(e).__name__}: {e}")
             raise
         finally:
-            if self.trace is not None:
-                self.trace.span("step", f"update {step_no}", t_step, time.perf_counter(), subgroups=len(order))
-                self.trace.end_step(step_no)
-        stats.step_s = time.perf_counter() - t_step
+            if wait:
+                end_trace()
+        if self.config.overlap_io:
+            self.in_flight.start(pipeline, stats, prefetch_for=prefetch_for)
+            stats.peak_host_bytes = self.peak_host_bytes   # all refreshed when the work ends (_settle)
+            self.last_step_stats = stats.as_dict()
+            return
+        self._after_write_backs(stats, failed_flushes)
+
+    def _after_write_backs(self, stats, failed_flushes) -> None:
+        """The step's figures, and the failover of the tiers whose write-backs failed (see ``step``)."""
         stats.peak_host_bytes = self.peak_host_bytes   # the pool's peak + staging: the whole budget
         self.last_step_stats = stats.as_dict()
         failing = self.tiers.failing(failed_flushes)
-        if failing:
-            earlier = tuple(t["path"] for t in self.failover.failed_tiers)
-            try:
-                self.failover.add(take_out_of_service(self.residency, self.tiers, self.plan, failing, earlier))
-            except TierFailure as e:
-                self.failover.add(e.report)
-                self._halted = e
-                e.step_completed = True   # every subgroup was updated and handed out (params_out)
-                raise
-            finally:
-                self.last_step_stats["failover"] = self.failover.as_dict()
+        try:
+            if failing:
+                earlier = tuple(t["path"] for t in self.failover.failed_tiers)
+                try:
+                    self.failover.add(take_out_of_service(self.residency, self.tiers, self.plan, failing, earlier))
+                except TierFailure as e:
+                    self.failover.add(e.report)
+                    self._halted = e
+                    e.step_completed = True   # every subgroup was updated and handed out (params_out)
+                    raise
+        finally:
+            self.last_step_stats["failover"] = self.failover.as_dict()
+
+    def wait_for_update(self) -> None:
+        """Return once the update in flight (``step(wait=False)``, ``config.overlap_io``) is over:
+        its kernels and write-backs done, and a failed write-back handled as after a serial step.
+
+        Raises what the serial step would have raised for that work (``TierFailure``,
+        ``TierIOError``, ``IntegrityError``, ...); the state is then as that error leaves it."""
+        self._check_open(settle=False)
+        self._settle(keep_prefetch=True)
+
+    def wait_for_params(self, start: int, end: int) -> None:
+        """Return once ``params_out[start:end]`` of the step in flight is final (at once when none
+        is): the subgroups covering the range are updated, maybe before the step's last one.
+        Raises the update's error when it stopped before handing out that range."""
+        if not self.in_flight.params_ready(start, end):
+            self.wait_for_update()
+
+    @property
+    def update_in_flight(self) -> bool:
+        """Whether a step's kernels or write-backs are still running behind the caller."""
+        return self.in_flight.busy
+
+    def _settle(self, raise_failure: bool = True, keep_prefetch: bool = False) -> None:
+        """Wait for the update in flight and handle its outcome as after a serial step: an error
+        marks the state partial, failed write-backs go through the failover. ``raise_failure``
+        False (reads, saves, close) keeps them for the next step (``partial``, ``_halted``)."""
+        flight = self.in_flight.settle(keep_prefetch)
+        if flight is None:
             return
-        self.last_step_stats["failover"] = self.failover.as_dict()
+        if flight.error is not None:
+            what = "its write-backs" if flight.computed else "the update"
+            self._mark_partial(f"a step stopped part-way in {what} by {type(flight.error).__name__}: {flight.error}")
+            if raise_failure:
+                raise flight.error
+            return
+        try:
+            self._after_write_backs(flight.stats, flight.failed)
+        except TierFailure:
+            if raise_failure:
+                raise
 
     def read_range(self, start: int, end: int) -> dict[str, torch.Tensor]:
         """fp32 CPU tensors ``param``, ``exp_avg``, ``exp_avg_sq`` of elements ``[start, end)``.
@@ -324,7 +396,7 @@ class OffloadAdam:
         self._check_open()
         self.access.write_range(start, end, {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
         if self._partial_step is not None and all(t is not None for t in (param, exp_avg, exp_avg_sq)):
-            self._restored = _merge(self._restored, (int(start), int(end)))
+            self._restored = merge_range(self._restored, (int(start), int(end)))
             if self._restored == [(0, self.numel)]:
                 self._partial_step, self._restored = None, []
 
@@ -332,12 +404,9 @@ class OffloadAdam:
         """A layout-independent state: hyper-parameters, steps, and the state in flat chunks.
 
         ``state`` is a list of ``LazyStateChunk`` covering ``[0, numel)`` in ``chunk_params``-element
-        pieces (default: the subgroup size). A chunk reads its tensors from the tiers only when
-        materialized (``chunk.materialize()``, or implicitly when pickled by ``torch.save``), so a
-        caller that streams the chunks holds one at a time. Trade-off: a lazy chunk reflects the
-        optimizer *when it is materialized*, so materialize (or save) before the next ``step``;
-        ``torch.save`` of the whole dict materializes every chunk at once (it keeps all storages
-        until the end), which is the caller's explicit choice.
+        pieces (default: the subgroup size), read from the tiers only when materialized
+        (``chunk.materialize()``, or when pickled by ``torch.save``): a chunk reflects the optimizer
+        *when it is materialized*, so materialize (or save) before the next ``step``.
 
         Raises:
             PartialStepError: the state is partial (a step stopped part-way, a load was refused):
@@ -370,21 +439,15 @@ class OffloadAdam:
                 ``read_range`` refuse until a load succeeds.
         """
         self._check_open()
-        covered = 0
+        covered = [0]
         try:
             groups, steps, iteration, chunks = check_state_dict(state_dict, self.numel, self.plan.group_ranges,
                                                                 STATE_DICT_FORMAT)
-            for k, chunk in enumerate(sorted(chunks, key=_chunk_start)):
-                data = chunk.materialize() if isinstance(chunk, LazyStateChunk) else chunk
-                start, end = check_chunk(data, k, covered, self.numel)
-                self.access.write_range(start, end, {name: data[name] for name in ("param", "exp_avg", "exp_avg_sq")})
-                covered = end
-            if covered != self.numel:
-                raise ValueError(f"load_state_dict: 'state' covers [0, {covered}) of [0, {self.numel})")
+            self.access.load_chunks(chunks, self.numel, covered)
         except BaseException as e:
             # The state may be part new, part old, or the caller meant to replace it and could not:
             # no step and no save until a load succeeds.
-            self._mark_partial(f"load_state_dict refused at element {covered}: {type(e).__name__}: {e}")
+            self._mark_partial(f"load_state_dict refused at element {covered[0]}: {type(e).__name__}: {e}")
             raise
         for group, saved in zip(self.param_groups, groups):
             group.update(copy.deepcopy({k: v for k, v in saved.items() if k != "params"}))
@@ -400,6 +463,10 @@ class OffloadAdam:
         """Wait for in-flight I/O and remove the scratch files. Host-cached state is dropped."""
         if self._closed:
             return
+        try:
+            self._settle(raise_failure=False)   # the write-backs in flight end first
+        except BaseException as e:  # noqa: BLE001 -- closing anyway; the state goes with it
+            logger.warning("MLP-Offload: the update in flight ended with %s: %s", type(e).__name__, e)
         self._closed = True
         if self.trace is not None and not self.trace.written and self.trace.recorded:
             try:
@@ -416,9 +483,11 @@ class OffloadAdam:
     def __exit__(self, *exc):
         self.close()
 
-    def _check_open(self) -> None:
+    def _check_open(self, settle: bool = True) -> None:
         if self._closed:
             raise RuntimeError("OffloadAdam is closed")
+        if settle:   # reads and writes of the state wait for the update in flight (errors: next step)
+            self._settle(raise_failure=False)
 
     def _check_whole(self) -> None:
         if self._partial_step is not None:
@@ -440,44 +509,6 @@ class OffloadAdam:
             TypeError, ValueError: ``steps`` is not a whole number >= 0 (nothing changes).
         """
         n = check_step_count("set_completed_steps: steps", steps)
+        self._settle(raise_failure=False)
         for group_state in self.state.values():
             group_state["step"] = n
-
-
-def _check_flat(name: str, t, numel: int) -> None:
-    """``t`` is a flat host tensor the kernel can read or write in place: contiguous, on the CPU,
-    bf16 | fp16 | fp32, ``numel`` elements. Raises ValueError naming ``name`` and what it got."""
-    if not isinstance(t, torch.Tensor) or t.dtype not in GRAD_DTYPES or t.device.type != "cpu" \
-            or t.numel() != numel or not t.is_contiguous():
-        desc = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{name}: expected a contiguous CPU bf16/fp16/fp32 tensor of {numel} elements, got {desc}")
-
-
-def _merge(ranges: list[tuple[int, int]], new: tuple[int, int]) -> list[tuple[int, int]]:
-    """``ranges`` (sorted, disjoint) with ``new`` added, touching and overlapping ranges joined."""
-    out: list[tuple[int, int]] = []
-    for a, b in sorted([*ranges, new]):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def _chunk_start(chunk):
-    try:
-        return chunk_start(chunk)
-    except (KeyError, TypeError, ValueError):
-        return -1   # a malformed chunk sorts first and is refused, named, by check_chunk
-
-
-def _with_defaults(param_groups: list, num_ranges: int) -> list:
-    """``param_groups`` (the caller's dicts, kept by identity) with the AdamW defaults filled in."""
-    if len(param_groups) != num_ranges:
-        raise ConfigError(f"param_groups: {len(param_groups)} groups given for {num_ranges} group ranges")
-    for i, group in enumerate(param_groups):
-        if "lr" not in group:
-            raise ConfigError(f"param_groups[{i}]: 'lr' is required")
-        for key, value in _DEFAULTS.items():
-            group.setdefault(key, value)
-    return param_groups

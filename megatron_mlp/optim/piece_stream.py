@@ -90,14 +90,17 @@ class PieceStream:
 
     # -- reads ------------------------------------------------------------------------------------
 
-    def pump(self) -> None:
-        """Start the reads the budget allows: per tier up to ``cap`` pieces ahead, in order."""
+    def pump(self, blocked=()) -> None:
+        """Start the reads the budget allows: per tier up to ``cap`` pieces ahead, in order; none of
+        a subgroup in ``blocked`` not yet begun (its last write-back is still switching its record)."""
         with self._cond:
             progress = True
             while progress and not self.stopped:
                 progress = False
                 for t, queue in sorted(self.queues.items(), key=lambda kv: kv[1][0].pos if kv[1] else 1 << 60):
                     if not queue or self.reading[t] >= self.cap or self.held >= self.max_pieces:
+                        continue
+                    if queue[0].issued == 0 and queue[0].sg.index in blocked:
                         continue
                     buf = self.pool.try_acquire(nbytes=self.piece_bytes)
                     if buf is None:

@@ -7,6 +7,11 @@ checkpoints. Three classes implement it: ``OffloadAdam`` (the product: state on 
 the demo's ``ZeroStyleAdam`` (DeepSpeed ZeRO-3's policy, for comparison). Nothing else is asked of
 them, so the Megatron layer never has to guess what it talks to.
 
+Optional, asked with ``getattr`` (only ``OffloadAdam`` has them): ``wait_for_update()`` -- the work a
+step left behind the caller is over (``--mlp-offload-overlap-io``; the Megatron layer calls it before
+it reuses the staging buffers) -- and ``step(..., wait=False)`` with ``wait_for_params(start, end)``,
+the hand-off by range (``megatron/hand_off.py``).
+
 The shard is flat: ``numel`` fp32 elements, split into param-group ranges, and by ``plan`` into
 subgroups (``plan[i].start``/``.end``; ``plan.overlapping(start, end)``).
 """

@@ -73,12 +73,18 @@ class Residency:
         buffers (not the cache budget) carried in from the last step.
         """
         unpinned = [i for i in order if i not in self.pinned]
-        keep = kept_in_cache(unpinned, max(0, self.keep_slots - len(self.pinned))) | self.pinned
+        keep = self.keep_for(order)
         self.cache_keep = keep
         self.order_pos = {idx: pos for pos, idx in enumerate(order)}
         carried, self.held_by_working = (
             self.held_by_working, keep - kept_in_cache(unpinned, max(0, self.cache_slots - len(self.pinned))))
         return keep, carried
+
+    def keep_for(self, order: list[int]) -> set[int]:
+        """The subgroups a step over ``order`` would keep in host memory (``plan_step``'s ``keep``),
+        without deciding anything: the last step's prefetch of the next one asks it."""
+        unpinned = [i for i in order if i not in self.pinned]
+        return kept_in_cache(unpinned, max(0, self.keep_slots - len(self.pinned))) | self.pinned
 
     def take(self, index: int):
         """The buffer of a resident subgroup, which is no longer resident (the caller owns it)."""

@@ -14,6 +14,7 @@ import torch
 from megatron_mlp.errors import ConfigError, TierIOError
 from megatron_mlp.optim.kernel_call import state_views
 from megatron_mlp.optim.subgroups import STATE_NAMES, Subgroup
+from megatron_mlp.optim.transaction import check_chunk
 
 
 class StateAccess:
@@ -47,6 +48,17 @@ class StateAccess:
                 for name, t in given.items():
                     if t is not None:
                         views[name][lo - sg.start:hi - sg.start].copy_(t.reshape(-1)[lo - start:hi - start])
+
+    def load_chunks(self, chunks, numel: int, covered: list) -> None:
+        """Write a checkpoint's chunks (lazy or ``{"start", "end", "param", ...}`` dicts, any order),
+        each checked as it is read; ``covered[0]``: the elements written so far (for the error)."""
+        for k, chunk in enumerate(sorted(chunks, key=_chunk_start)):
+            data = chunk.materialize() if isinstance(chunk, LazyStateChunk) else chunk
+            start, end = check_chunk(data, k, covered[0], numel)
+            self.write_range(start, end, {name: data[name] for name in STATE_NAMES})
+            covered[0] = end
+        if covered[0] != numel:
+            raise ValueError(f"load_state_dict: 'state' covers [0, {covered[0]}) of [0, {numel})")
 
     def write_initial(self, initial_params, numel: int) -> None:
         """Write every subgroup's first state: params from ``initial_params`` (or zeros), zero moments."""
@@ -148,3 +160,10 @@ class LazyStateChunk:
 
 def chunk_start(chunk) -> int:
     return chunk.start if isinstance(chunk, LazyStateChunk) else int(chunk["start"])
+
+
+def _chunk_start(chunk):
+    try:
+        return chunk_start(chunk)
+    except (KeyError, TypeError, ValueError):
+        return -1   # a malformed chunk sorts first and is refused, named, by check_chunk

@@ -59,6 +59,7 @@ class StepStats:
     kernels_beside_io: int = 0   # kernels run while a tier had I/O in flight (one core left to it)
     streamed_reads: int = 0      # subgroups updated piece by piece as their read landed (a step's last)
     streamed_writes: int = 0     # write-backs started piece by piece behind the kernel (a step's first)
+    prefetched: int = 0          # subgroups whose reads the last step started behind the caller (overlap_io)
     order: str = "ascending"
     skipped: bool = False
     peak_host_bytes: int = 0
@@ -72,7 +73,7 @@ class StepStats:
             "drain_s": self.drain_s, "upcast_s": self.upcast_s, "cache_hits": self.cache_hits,
             "warm_hits": self.warm_hits, "subgroups": self.subgroups,
             "kernels_beside_io": self.kernels_beside_io, "streamed_reads": self.streamed_reads,
-            "streamed_writes": self.streamed_writes, "order": self.order, "skipped": self.skipped,
+            "streamed_writes": self.streamed_writes, "prefetched": self.prefetched, "order": self.order, "skipped": self.skipped,
             "bytes_moved": moved, "gbps": moved / self.step_s / 1e9 if self.step_s > 0 else 0.0,
             "peak_host_bytes": self.peak_host_bytes, "host_limit_bytes": self.host_limit_bytes,
             "tiers": tiers,

@@ -63,7 +63,7 @@ class StepPipeline:
         stats: the ``StepStats`` to add to.
     """
 
-    def __init__(self, opt, order, keep, carried, inputs: StepInputs | None, stats):
+    def __init__(self, opt, order, keep, carried, inputs: StepInputs | None, stats, prefetch=None):
         self.plan, self.residency, self.tiers, self.kernel = opt.plan, opt.residency, opt.tiers, opt.kernel
         self.pieces, self.trace, self.flush_errors = opt.pieces, opt.trace, opt.flush_errors
         self.config, self.host_memory, self.placement_tiers = opt.config, opt.host_memory, opt.placement_tiers
@@ -77,90 +77,119 @@ class StepPipeline:
         self.streaming: list = []   # the fetch the kernel is following piece by piece, if any
         self.stream = None          # the pool in pieces: the subgroups streamed through it
         self.recompute: list[Flush] = []   # streamed write-backs that failed (see PieceStream)
+        if prefetch is not None:   # reads the last step started behind the caller (update_in_flight.py)
+            self.fetching.update(prefetch.fetches)
+            self.to_fetch = [i for i in self.to_fetch if i not in prefetch.fetches]
         if self.host_memory.streams:
             streamed = [i for i in self.to_fetch if i not in keep]
             self.to_fetch = [i for i in self.to_fetch if i in keep]
-            self.stream = PieceStream(self.residency.pool, self.host_memory, self.tiers,
-                                      [self.plan[i] for i in streamed], self.trace)
+            self.stream = prefetch.stream if prefetch is not None else None
+            if self.stream is None:
+                self.stream = PieceStream(self.residency.pool, self.host_memory, self.tiers,
+                                          [self.plan[i] for i in streamed], self.trace)
+            assert [sub.sg.index for sub in self.stream.subs] == streamed, "a prefetch of another step"
+        if prefetch is not None:
+            stats.prefetched = len(prefetch.fetches) + sum(1 for sub in self.stream.subs if sub.issued) \
+                if self.stream is not None else len(prefetch.fetches)
 
-    def run(self) -> list[Flush]:
+    def run(self, defer: bool = False) -> list[Flush] | None:
         """Update every subgroup; returns the write-backs that failed (their state stays resident).
+        ``defer``: return once every subgroup is updated, the write-backs still in flight (the
+        caller runs ``finish`` later, see ``update_in_flight.py``); returns None then.
 
-        Raises what stopped the step part-way: a failed read, ``IntegrityError``, an interrupt.
+        Raises what stopped the step part-way: a failed read, ``IntegrityError``, an interrupt
+        (the I/O in flight is waited for first).
         """
-        # Fetches in flight at once. Completed fetches waiting for the kernel do not count: the pool
-        # (cache + prefetch + flush + 1 buffers) bounds the memory, and letting each tier's lane
-        # run ahead as far as the budget allows keeps every tier busy.
-        if self.stream is not None:
-            return self._run_stream()
-        depth = self.host_memory.prefetch_depth + 1
         try:
-            while self.remaining:
-                # Issue fetches within the prefetch window and the buffer budget. Prefer the next
-                # subgroup whose tier is not waiting for its node token (another rank holds it):
-                # the order of independent subgroups does not change the result.
-                while self.to_fetch and self._in_flight() < depth + self._stalled():
-                    idx = self._next_fetch()
-                    buf = self.residency.acquire()
-                    if buf is None:
-                        break
-                    self.to_fetch.remove(idx)
-                    self._start_fetch(idx, buf)
-                self._reap(block=False)
-                pick = self.first_ready()
-                landed = None   # the pieces to wait for, when the kernel follows a read still landing
-                if pick is None and len(self.remaining) == 1 and self.remaining[0] in self.fetching \
-                        and len(self.pieces[self.remaining[0]]) > 1:
-                    # The step's last subgroup is still being read: update it piece by piece as
-                    # the pieces land, so that the step ends one piece's kernel after its last
-                    # read, not one subgroup's.
-                    pick = self.remaining[0]
-                    landed = self.fetching[pick].landed
-                if pick is None:
-                    self._wait_for_work()
-                    continue
-                self._update(pick, landed)
-        finally:
+            if self.stream is not None:
+                self._compute_stream()
+            else:
+                self._compute()
+        except BaseException:
             self._drain()
-        return self.failed_flushes
+            raise
+        return None if defer else self.finish()
 
-    def _run_stream(self) -> list[Flush]:
-        """The step with the pool in pieces: whole subgroups (found in host memory, or kept) as in
-        ``run``, one fetch ahead; the rest piece by piece, the earliest landed piece first."""
-        stream = self.stream
+    def finish(self, prefetch=None) -> list[Flush]:
+        """The step's tail: wait for its write-backs, recompute a streamed one that failed; returns
+        those that failed. ``prefetch`` (the next step's ``Prefetch``): pumped as the write-backs
+        end, never for a subgroup whose own write-back is still in flight, and not at all once one
+        failed (the failover that follows moves subgroups)."""
+        t0 = time.perf_counter()
         try:
-            while self.remaining:
-                while self.to_fetch and self._in_flight() < 1:
-                    buf = self.residency.acquire()
-                    if buf is None:
-                        break
-                    self._start_fetch(self.to_fetch.pop(0), buf)
-                stream.pump()
-                self._reap(block=False)
-                pick = self.first_ready()
-                if pick is not None:
-                    self._update(pick, None)
-                    continue
-                sub = stream.ready()
-                if sub is not None:
-                    done = stream.compute(sub, self.kernel, self.inputs, self.stats, self._kernel_threads)
-                    if done is not None:
-                        self.remaining.remove(sub.sg.index)
-                        self.flushing[done] = Flush(sub.sg, sub.store, None)
-                        if self.inputs.on_subgroup_done is not None:
-                            self.inputs.on_subgroup_done(sub.sg.start, sub.sg.end)
-                    continue
-                t0 = time.perf_counter()
-                waitables = stream.waitables() + [f.future for f in self.fetching.values()] + list(self.flushing)
-                wait_futures(waitables, timeout=0.01, return_when=FIRST_COMPLETED)
-                self.stats.wait_s += time.perf_counter() - t0
             while self.flushing:
+                if prefetch is not None and not self.failed_flushes:
+                    prefetch.pump({f.sg.index for f in self.flushing.values() if f.sg is not None})
                 self._reap(block=True)
+            self.stats.drain_s += time.perf_counter() - t0
             for flush in self.recompute:
                 self._recompute(flush)
         finally:
             self._drain()
+        if prefetch is not None and not self.failed_flushes:
+            prefetch.pump()
         return self.failed_flushes
+
+    def _compute(self) -> None:
+        # Fetches in flight at once. Completed fetches waiting for the kernel do not count: the pool
+        # (cache + prefetch + flush + 1 buffers) bounds the memory, and letting each tier's lane
+        # run ahead as far as the budget allows keeps every tier busy.
+        depth = self.host_memory.prefetch_depth + 1
+        while self.remaining:
+            # Issue fetches within the prefetch window and the buffer budget. Prefer the next
+            # subgroup whose tier is not waiting for its node token (another rank holds it):
+            # the order of independent subgroups does not change the result.
+            while self.to_fetch and self._in_flight() < depth + self._stalled():
+                idx = self._next_fetch()
+                buf = self.residency.acquire()
+                if buf is None:
+                    break
+                self.to_fetch.remove(idx)
+                self._start_fetch(idx, buf)
+            self._reap(block=False)
+            pick = self.first_ready()
+            landed = None   # the pieces to wait for, when the kernel follows a read still landing
+            if pick is None and len(self.remaining) == 1 and self.remaining[0] in self.fetching \
+                    and len(self.pieces[self.remaining[0]]) > 1:
+                # The step's last subgroup is still being read: update it piece by piece as
+                # the pieces land, so that the step ends one piece's kernel after its last
+                # read, not one subgroup's.
+                pick = self.remaining[0]
+                landed = self.fetching[pick].landed
+            if pick is None:
+                self._wait_for_work()
+                continue
+            self._update(pick, landed)
+
+    def _compute_stream(self) -> None:
+        """The step with the pool in pieces: whole subgroups (found in host memory, or kept) as in
+        ``run``, one fetch ahead; the rest piece by piece, the earliest landed piece first."""
+        stream = self.stream
+        while self.remaining:
+            while self.to_fetch and self._in_flight() < 1:
+                buf = self.residency.acquire()
+                if buf is None:
+                    break
+                self._start_fetch(self.to_fetch.pop(0), buf)
+            stream.pump()
+            self._reap(block=False)
+            pick = self.first_ready()
+            if pick is not None:
+                self._update(pick, None)
+                continue
+            sub = stream.ready()
+            if sub is not None:
+                done = stream.compute(sub, self.kernel, self.inputs, self.stats, self._kernel_threads)
+                if done is not None:
+                    self.remaining.remove(sub.sg.index)
+                    self.flushing[done] = Flush(sub.sg, sub.store, None)
+                    if self.inputs.on_subgroup_done is not None:
+                        self.inputs.on_subgroup_done(sub.sg.start, sub.sg.end)
+                continue
+            t0 = time.perf_counter()
+            waitables = stream.waitables() + [f.future for f in self.fetching.values()] + list(self.flushing)
+            wait_futures(waitables, timeout=0.01, return_when=FIRST_COMPLETED)
+            self.stats.wait_s += time.perf_counter() - t0
 
     def _recompute(self, flush: Flush) -> None:
         """A streamed write-back failed: its record still names the old slot, and the updated
@@ -293,7 +322,7 @@ class StepPipeline:
         t0 = time.perf_counter()
         while self.flushing:
             self._reap(block=True)
-        self.stats.drain_s = time.perf_counter() - t0
+        self.stats.drain_s += time.perf_counter() - t0
 
     def _io_busy(self) -> bool:
         return any(not f.future.done() for f in self.fetching.values()) \

@@ -16,9 +16,11 @@ import numbers
 
 import torch
 
-from megatron_mlp.errors import PartialStepError
+from megatron_mlp.errors import ConfigError, PartialStepError
 
 STATE_FIELDS = ("param", "exp_avg", "exp_avg_sq")
+GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DEFAULTS = {"weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8}
 
 
 def _number(name: str, value, *, low: float = 0.0, high: float | None = None, low_open: bool = False,
@@ -168,3 +170,35 @@ def _pair(r) -> tuple:
 
 def _length(x) -> str:
     return str(len(x)) if isinstance(x, (list, tuple)) else f"no list ({type(x).__name__}), hence no"
+
+
+def check_flat(name: str, t, numel: int) -> None:
+    """``t`` is a flat host tensor the kernel can read or write in place: contiguous, on the CPU,
+    bf16 | fp16 | fp32, ``numel`` elements. Raises ValueError naming ``name`` and what it got."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in GRAD_DTYPES or t.device.type != "cpu" \
+            or t.numel() != numel or not t.is_contiguous():
+        desc = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected a contiguous CPU bf16/fp16/fp32 tensor of {numel} elements, got {desc}")
+
+
+def merge_range(ranges: list[tuple[int, int]], new: tuple[int, int]) -> list[tuple[int, int]]:
+    """``ranges`` (sorted, disjoint) with ``new`` added, touching and overlapping ranges joined."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted([*ranges, new]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def with_defaults(param_groups: list, num_ranges: int) -> list:
+    """``param_groups`` (the caller's dicts, kept by identity) with the AdamW defaults filled in."""
+    if len(param_groups) != num_ranges:
+        raise ConfigError(f"param_groups: {len(param_groups)} groups given for {num_ranges} group ranges")
+    for i, group in enumerate(param_groups):
+        if "lr" not in group:
+            raise ConfigError(f"param_groups[{i}]: 'lr' is required")
+        for key, value in _DEFAULTS.items():
+            group.setdefault(key, value)
+    return param_groups

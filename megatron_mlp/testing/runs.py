@@ -11,7 +11,7 @@ import torch
 
 
 def build(spec, tp: int, mlp_config=None, *, grad_reduce_in_fp32: bool = False, inner_factory=None,
-          opt_overrides: dict | None = None, pp: int = 1):
+          opt_overrides: dict | None = None, pp: int = 1, overlap_param_gather: bool = False):
     """Parallel state + tiny GPT + Megatron's optimizer (ours when ``mlp_config`` is given)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
@@ -21,7 +21,10 @@ def build(spec, tp: int, mlp_config=None, *, grad_reduce_in_fp32: bool = False, 
     if not torch.cuda.is_available():   # a real GPU run needs no harness (and it would refuse)
         install_cpu_harness()
     gpt.init_model_parallel(tp=tp, pp=pp, seed=spec.seed)
-    model = gpt.build_model(spec, grad_reduce_in_fp32=grad_reduce_in_fp32)
+    # The param all-gather in the forward's pre-hooks (with the overlapped grad reduce, as Megatron-LM
+    # requires): small buckets make several bucket groups.
+    model = gpt.build_model(spec, grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_param_gather=overlap_param_gather,
+                            overlap_grad_reduce=overlap_param_gather, bucket_size=4096 if overlap_param_gather else None)
     with mlp_offload_optimizers(mlp_config, inner_factory):
         opt = get_megatron_optimizer(gpt.optimizer_config(spec, **(opt_overrides or {})), model)
     return model, opt
@@ -32,12 +35,14 @@ def inner_optimizers(opt):
 
 
 def train(rank, world_size, spec, tp, mlp_config, iters, grad_reduce_in_fp32=False, inner_factory=None,
-          opt_overrides=None):
-    """Train ``iters`` steps; returns (losses, params-by-name)."""
+          opt_overrides=None, overlap_param_gather=False):
+    """Train ``iters`` steps; returns (losses, params-by-name). With ``overlap_param_gather`` the
+    params are all-gathered by the next forward's pre-hooks: the last step's are forced at the end."""
     from megatron_mlp.testing import gpt
 
     model, opt = build(spec, tp, mlp_config, grad_reduce_in_fp32=grad_reduce_in_fp32,
-                       inner_factory=inner_factory, opt_overrides=opt_overrides)
+                       inner_factory=inner_factory, opt_overrides=opt_overrides,
+                       overlap_param_gather=overlap_param_gather)
     skipped = []
     step = opt.step
 
@@ -48,7 +53,13 @@ def train(rank, world_size, spec, tp, mlp_config, iters, grad_reduce_in_fp32=Fal
 
     opt.step = counting_step
     losses = [gpt.train_step(spec, model, opt, i) for i in range(iters)]
+    if overlap_param_gather:
+        for chunk in model:
+            chunk.start_param_sync(force_sync=True)
     params = gpt.model_params(model)
+    waits = [getattr(getattr(o, "optimizer", None), "bucket_waits", None) for o in inner_optimizers(opt)]
+    if any(w for w in waits):   # MLP-Offload's bucket-by-bucket hand-off (megatron/hand_off.py) ran
+        params["__bucket_waits__"] = torch.tensor([sum(w[i] for w in waits if w) for i in (0, 1)])
     params["__skipped_steps__"] = torch.tensor(sum(skipped))
     return losses, params
 

@@ -77,6 +77,29 @@ def test_resume_continues_like_an_uninterrupted_run_when_saved_and_loaded(tmp_pa
             assert torch.equal(p_s[name], p_r[name]), name
 
 
+@pytest.mark.skipif(_inner() is not None, reason="overlapped I/O is OffloadAdam's; its kernel is not built here")
+def test_resume_with_state_io_outside_the_step_equals_the_serial_run(tmp_path):
+    """--mlp-offload-overlap-io: a save right after a step waits for that step's write-backs (the
+    checkpoint holds the completed step); the resumed run and the uninterrupted one both equal the
+    serial run, state, losses and params bitwise."""
+    ckpt = str(tmp_path / "ckpt")
+
+    def cfg(name, **kw):
+        return _cfg(tmp_path, name).replace(warm_buffers=False, **kw)
+
+    serial = run_distributed(checkpoint_run, 2, SPEC, 1, cfg("s"), 5, 5, str(tmp_path / "ckpt-s"), "save", BUCKET,
+                             None)
+    saved = run_distributed(checkpoint_run, 2, SPEC, 1, cfg("a", overlap_io=True), 5, 5, ckpt, "save", BUCKET, None)
+    resumed = run_distributed(checkpoint_run, 2, SPEC, 1, cfg("b", overlap_io=True), 5, 5, ckpt, "load", BUCKET,
+                              None)
+    for (l_0, p_0, st_0), (l_s, p_s, st_s), (l_r, p_r, st_r) in zip(serial, saved, resumed):
+        _state_equal(st_0, st_s)
+        _state_equal(st_0, st_r)
+        assert l_0 == l_s == l_r
+        for name in p_0:
+            assert torch.equal(p_0[name], p_s[name]) and torch.equal(p_0[name], p_r[name]), name
+
+
 def test_stock_checkpoint_loads_into_mlp_offload(tmp_path):
     inner = _inner()
     ckpt = str(tmp_path / "stock")

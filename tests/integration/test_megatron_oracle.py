@@ -75,6 +75,44 @@ def test_losses_and_params_bitwise_equal_stock_when_bf16_grad_buffer(tmp_path, t
 
 
 @REAL
+@pytest.mark.parametrize("scenario", ["dp2", "tp2", "pp2", "fp16-skips"])
+def test_bitwise_equal_stock_when_state_io_runs_outside_the_step(tmp_path, scenario):
+    """--mlp-offload-overlap-io: every subgroup is read and written back every step (no cache, no
+    warm buffers, two tiers), the last write-backs run behind the next forward and the next step's
+    first reads start behind it; losses and params stay bitwise stock's, with clipping active,
+    under TP and PP = 2 and with fp16 loss scaling that skips steps."""
+    config = _config(tmp_path, num_tiers=2, subgroup_params=4096, warm_buffers=False, overlap_io=True)
+    if scenario == "pp2":
+        _assert_bitwise(run_distributed(train_pipeline, 2, SPEC, 2, config, ITERS),
+                        run_distributed(train_pipeline, 2, SPEC, 2, None, ITERS))
+    elif scenario == "fp16-skips":
+        spec, overrides = gpt.TinyGPT(bf16=False, fp16=True), {"initial_loss_scale": 2.0 ** 20}
+        stock = run_distributed(train, 2, spec, 1, None, ITERS, False, None, overrides)
+        assert int(stock[0][1]["__skipped_steps__"]) >= 1
+        _assert_bitwise(run_distributed(train, 2, spec, 1, config, ITERS, False, None, overrides), stock)
+    else:
+        tp = 2 if scenario == "tp2" else 1
+        _assert_bitwise(run_distributed(train, 2, SPEC, tp, config, ITERS), _stock(tp))
+
+
+@REAL
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
+def test_bitwise_equal_stock_when_params_are_handed_to_the_next_forward_bucket_by_bucket(tmp_path, tp):
+    """--mlp-offload-overlap-io with --overlap-param-gather: step() returns before the update ends
+    and each bucket group's all-gather, dispatched by the next forward's pre-hook, waits only for
+    this rank's params of its own buckets (megatron/hand_off.py); stock runs with
+    --overlap-param-gather too. Losses and params bitwise stock's."""
+    config = _config(tmp_path, num_tiers=2, subgroup_params=4096, warm_buffers=False, overlap_io=True)
+    stock = run_distributed(train, 2, SPEC, tp, None, ITERS, False, None, None, True)
+    ours = run_distributed(train, 2, SPEC, tp, config, ITERS, False, None, None, True)
+    _assert_bitwise(ours, stock)
+    for _, params in ours:
+        waits, during_update = params["__bucket_waits__"].tolist()
+        assert waits >= ITERS, "the bucket groups' all-gathers did not wait for their params"
+        print(f"bucket groups handed their params: {waits}, {during_update} of them while the update ran")
+
+
+@REAL
 def test_pipeline_parallel_stages_bitwise_equal_stock(tmp_path):
     """PP=2 through Megatron's pipeline schedule: each stage has its own optimizer and shard, the
     grad norm for clipping spans both stages, and the embedding shared by the first and last stage

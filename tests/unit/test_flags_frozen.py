@@ -28,6 +28,7 @@ FROZEN = {
     "--mlp-offload-no-cache-order": "off",
     "--mlp-offload-no-deferred-upcast": "off",
     "--mlp-offload-no-warm-buffers": "off",
+    "--mlp-offload-overlap-io": "off",
     "--mlp-offload-grad-transfer": "`auto`",
     "--mlp-offload-trace": "(none)",
     "--mlp-offload-trace-steps": "`2-4`",

@@ -1,0 +1,46 @@
+"""The update handed to the next forward bucket by bucket.
+
+With ``--mlp-offload-overlap-io`` and Megatron's ``--overlap-param-gather`` the offload optimizer's
+kernels run behind the caller (``OffloadAdam.step(wait=False)``): ``step()`` returns before the
+update ends, and each subgroup's updated params go host->device as soon as its kernel is done
+(``OffloadInner``, one event each). Megatron dispatches each bucket group's param all-gather from
+the next forward's pre-hook (``_ParamAndGradBucketGroup.finish_param_sync`` ->
+``start_param_sync``); wrapping ``start_param_sync`` of every bucket group makes that all-gather
+wait only for this rank's shard of its own buckets (``OffloadInner.wait_for_params``), not for
+the whole update. Every path that all-gathers goes through it: the pre-hooks, ``force_sync``
+(Megatron's ``disable_forward_pre_hook`` before a checkpoint save or an evaluation) and the
+dispatch in the optimizer step (``--overlap-param-gather-with-optimizer-step``).
+"""
+from __future__ import annotations
+
+import functools
+
+
+def hand_params_off_by_bucket(dist_opt) -> int:
+    """Wrap ``start_param_sync`` of every bucket group holding a bucket of ``dist_opt``'s buffers;
+    returns how many were wrapped and turns the hand-off on in its inner optimizer when any was."""
+    inner = dist_opt.optimizer
+    ranges_of: dict[int, list] = {}
+    for seg in dist_opt._segments:   # runs of the flat shard, each inside one bucket
+        bucket = dist_opt.buffers[seg._key[0]].buckets[seg._key[1]]
+        ranges_of.setdefault(id(bucket), []).append((seg.flat_start, seg.flat_end))
+    wrapped = 0
+    for chunk in dist_opt.model_chunks:
+        groups = list(getattr(chunk, "bucket_groups", ()) or ()) + \
+            list(getattr(chunk, "expert_parallel_bucket_groups", ()) or ())
+        for group in groups:
+            ranges = [r for bucket in group.buckets for r in ranges_of.get(id(bucket), ())]
+            if ranges:
+                group.start_param_sync = _waiting_for(group.start_param_sync, inner, ranges)
+                wrapped += 1
+    inner.hand_off = wrapped > 0
+    return wrapped
+
+
+def _waiting_for(start_param_sync, inner, ranges):
+    @functools.wraps(start_param_sync)
+    def start(*args, **kwargs):
+        inner.wait_for_params(ranges)
+        return start_param_sync(*args, **kwargs)
+
+    return start
