@@ -29,7 +29,7 @@ from megatron_mlp.optim.failover import FailoverStats, take_out_of_service
 from megatron_mlp.optim.host_memory import config_moment_bytes
 from megatron_mlp.optim.kernel_call import AdamKernel, StepInputs
 from megatron_mlp.optim.placement import host_memory_for, placement_tiers, plan_for, warm_subgroups
-from megatron_mlp.optim.placement.model import update_seconds
+from megatron_mlp.optim.placement.node import announce_placement
 from megatron_mlp.optim.residency import Residency
 from megatron_mlp.optim.schedule import iteration_order
 from megatron_mlp.optim.state_access import LazyStateChunk, StateAccess
@@ -98,18 +98,11 @@ class OffloadAdam:
         check_tiers_and_sizes(config, self.plan)   # nothing starts half-configured
         self.stale_scratch = clean_stale_scratch(config.tiers)
         rooms = node_snapshot([spec.path for spec in config.tiers], config.job_id, rank)
-        # This rank's row of the node's placement (plan computes the same), and the predicted
-        # update time from the one function plan and bench update print (I/O and the pool's
-        # pipeline; the kernel is not counted).
+        # This rank's row of the node's placement (plan computes the same), logged with its predicted time.
         placement = (plan_for(self.plan, config, ranks_per_node, memory=self.host_memory, rooms=rooms, rank=rank)
                      if len(self.plan) else None)
         tier_of = list(placement.tier_of) if placement is not None else []
-        self.predicted_update_s = update_seconds(placement, self.host_memory) if placement is not None else 0.0
-        if placement is not None:
-            logger.info("MLP-Offload rank %d: %s; predicted update I/O per step %.3g s (kernel not counted)", rank,
-                        ", ".join(f"{t.path}: {len(placement.subgroups_on(j))} subgroups, "
-                                  f"{placement.tier_bytes[j] / 1e9:.3g} GB" for j, t in enumerate(placement.tiers)),
-                        self.predicted_update_s)
+        self.predicted_update_s = announce_placement(placement, self.host_memory, rank)
         self.placement_tiers = placement_tiers(config, ranks_per_node, rooms=rooms)   # bandwidths, for the schedule
         self.failover = FailoverStats()
         self._halted: TierFailure | None = None
@@ -151,17 +144,10 @@ class OffloadAdam:
         """Subgroup index -> the tier (``--mlp-offload-paths`` index) it lives on now."""
         return self.tiers.tier_of
 
-    @property
-    def pool(self):
-        return self.residency.pool
-
-    @property
-    def cache_slots(self) -> int:
-        return self.residency.cache_slots
-
-    @property
-    def keep_slots(self) -> int:
-        return self.residency.keep_slots
+    # What stays in host memory between steps (residency.py).
+    pool = property(lambda self: self.residency.pool)
+    cache_slots = property(lambda self: self.residency.cache_slots)
+    keep_slots = property(lambda self: self.residency.keep_slots)
 
     # ------------------------------------------------------------------ public API
 

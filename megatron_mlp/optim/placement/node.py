@@ -12,6 +12,8 @@ to hold one like it (Megatron's data-parallel shards are equal), so its row is t
 """
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -50,6 +52,8 @@ class NodePlacement:
                 total += SLOTS_PER_SUBGROUP * stored + self.tiers[tier].reserve_bytes
         return total
 
+
+logger = logging.getLogger("megatron_mlp.optim.placement")
 
 def place_node(traffics: Sequence[StepTraffic], tiers: Sequence[PlacementTier]) -> NodePlacement:
     """Place every rank of a node (``traffics``: one per rank, local rank order) on ``tiers``.
@@ -107,3 +111,17 @@ def assign_subgroups(plan: SubgroupPlan, config, ranks_per_node: int = 1, free_b
     if len(plan) == 0:
         return []
     return list(plan_for(plan, config, ranks_per_node, free_bytes, memory, rooms, rank).tier_of)
+
+
+def announce_placement(placement: Placement | None, memory: HostMemoryPlan | None, rank: int) -> float:
+    """Log a rank's placement (subgroups and bytes per path) with its predicted update time, from
+    the one function ``plan`` and ``bench update`` print (I/O and the pool's pipeline; the kernel
+    is not counted); return that time (0 with no subgroups)."""
+    if placement is None:
+        return 0.0
+    from megatron_mlp.optim.placement.model import update_seconds
+    predicted = update_seconds(placement, memory)
+    logger.info("MLP-Offload rank %d: %s; predicted update I/O per step %.3g s (kernel not counted)", rank,
+                ", ".join(f"{t.path}: {len(placement.subgroups_on(j))} subgroups, {placement.tier_bytes[j] / 1e9:.3g} GB"
+                          for j, t in enumerate(placement.tiers)), predicted)
+    return predicted
