@@ -114,3 +114,52 @@ def test_calibrate_removes_its_partial_files_when_interrupted_by_a_signal(disk_d
     assert proc.returncode == 128 + sig and "interrupted" in err, err
     assert os.listdir(disk_dir) == []
     assert not (tmp_path / "cal.json").exists()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.02, 0.1])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_calibrate_starts_its_workers_ends_it_in_one_line_leaving_nothing(disk_dir, tmp_path, sig,
+                                                                                       delay):
+    # The single-process pass ends, then the workers of the multi-process pass start: a signal in
+    # that window must neither print a multiprocessing traceback nor leave a file or a worker behind.
+    import uuid
+    marker = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_mlp", "calibrate", "--paths", disk_dir,
+                             "--size-bytes", "256MiB", "--procs", "2", "--cache", str(tmp_path / "cal.json")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "MLP_SIGNAL_TEST": marker})
+    try:
+        deadline = time.monotonic() + 60
+        seen_single = False
+        while True:
+            names = [n for n in os.listdir(disk_dir) if n.startswith(CALIBRATE_PREFIX)]
+            single = any("-single-" in n for n in names)
+            seen_single = seen_single or single
+            if (seen_single and not single) or any("-multi-" in n for n in names):
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, "calibration never reached its workers"
+            time.sleep(0.002)
+        time.sleep(delay)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in err, err
+    assert proc.returncode == 128 + sig and "interrupted" in err, err
+    assert [n for n in os.listdir(disk_dir) if n.startswith(CALIBRATE_PREFIX)] == []
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        left = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if marker.encode() in f.read():
+                        left.append(pid)
+            except OSError:
+                pass
+        if not left:
+            break
+        time.sleep(0.1)
+    assert left == [], "processes of the interrupted run are still alive"
