@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 
+PIECE_BLOCK_BYTES = 64 << 10   # with --host-memory: pieces of 64 KiB per array (16k params)
 KINDS = ("eio", "enospc", "short_write", "corrupt", "tier_vanish", "timeout", "sigkill")
 _PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", type=str, default="/var/tmp", help="where the disk tier and checkpoints go")
     p.add_argument("--shm", type=str, default="/dev/shm", help="the second (tmpfs) tier's parent; '' = disk only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host-memory", type=str, default=None,
+                   help="run under this host budget per optimizer (--mlp-offload-host-memory), with I/O blocks "
+                        "of 64 KiB so that subgroups stream through the pool in pieces; default: a host cache "
+                        "of one subgroup and whole working buffers")
     p.add_argument("--layout", choices=("dense", "moe"), default="dense",
                    help="one optimizer per rank (dense), or a dense and an expert optimizer on the same tiers (moe)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
@@ -88,9 +93,13 @@ def _ranges(numel: int):
 def _config(paths, spec, **overrides):
     from megatron_mlp.config import MLPOffloadConfig
     kw = dict(subgroup_params=spec["subgroup_params"], use_tokens=False, calibration="off",
-              host_cache_bytes=spec.get("host_cache_bytes", 0), io_timeout_s=spec.get("io_timeout_s", 300.0),
-              prefetch_depth=spec.get("prefetch_depth", 2), flush_depth=spec.get("flush_depth", 2),
-              job_id=spec.get("job_id", "faultbench"))
+              io_timeout_s=spec.get("io_timeout_s", 300.0), job_id=spec.get("job_id", "faultbench"))
+    if spec.get("host_memory_bytes"):
+        # The pool in pieces: the budget bounds everything; small I/O blocks make small pieces.
+        kw.update(host_memory_bytes=spec["host_memory_bytes"], block_bytes=PIECE_BLOCK_BYTES)
+    else:
+        kw.update(host_cache_bytes=spec.get("host_cache_bytes", 0), prefetch_depth=spec.get("prefetch_depth", 2),
+                  flush_depth=spec.get("flush_depth", 2))
     kw.update(overrides)
     return MLPOffloadConfig.from_paths(";".join(paths), **kw)
 
@@ -363,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:
         return _child_main(args.child)
     from megatron_mlp.errors import ConfigError
+    from megatron_mlp.units import parse_size
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     for k in kinds:
         if k not in KINDS:
@@ -388,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     package_logger.setLevel(logging.ERROR)
     work = tempfile.mkdtemp(prefix="mlp-faultbench-", dir=args.dir)
     rng = random.Random(args.seed)
-    spec = {"layout": args.layout, "steps": args.steps, "faults": args.faults_per_kind, "num_params": args.num_params,
+    host_memory = parse_size(args.host_memory, "--host-memory") if args.host_memory else 0
+    spec = {"layout": args.layout, "host_memory_bytes": host_memory, "steps": args.steps, "faults": args.faults_per_kind, "num_params": args.num_params,
             "subgroup_params": args.subgroup_params, "checkpoint_every": args.checkpoint_every,
             "io_timeout_s": 120.0, "host_cache_bytes": 12 * args.subgroup_params + 3 * 4096,
             # A small working set, so that host memory (cache plus working buffers) cannot hold every
@@ -431,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             for p in paths:
                 shutil.rmtree(p, ignore_errors=True)
         report = {
-            "benchmark": "faults", "layout": args.layout, "steps": args.steps, "faults_per_kind": args.faults_per_kind,
+            "benchmark": "faults", "layout": args.layout, "host_memory_bytes": host_memory or None, "steps": args.steps, "faults_per_kind": args.faults_per_kind,
             "num_params": args.num_params, "subgroup_params": args.subgroup_params, "num_subgroups": len(plan),
             "checkpoint_every": args.checkpoint_every, "tiers": ["disk", "tmpfs" if args.shm else "disk"],
             "torch": torch.__version__, "seed": args.seed,
@@ -472,7 +483,8 @@ def _run_kind(kind, paths, spec, rng, work, ref_state, plan) -> dict:
 
 
 def _print(r: dict) -> None:
-    print(f"bench faults ({r['layout']} layout): {r['steps']} steps, {r['num_params']} params in {r['num_subgroups']} subgroups over "
+    budget = f", host memory {r['host_memory_bytes']} bytes (pool in pieces)" if r["host_memory_bytes"] else ""
+    print(f"bench faults ({r['layout']} layout{budget}): {r['steps']} steps, {r['num_params']} params in {r['num_subgroups']} subgroups over "
           f"two tiers ({' + '.join(r['tiers'])}), {r['faults_per_kind']} faults per kind, checkpoint every "
           f"{r['checkpoint_every']} steps, torch {r['torch']}")
     print(f"{'kind':<12} {'injected':>8} {'detected':>8} {'recovered':>9} {'lost':>5} {'bit-equal':>9} {'s':>6}  how")

@@ -6,6 +6,8 @@ materialized, and pickles as the data it holds, never as the optimizer.
 """
 from __future__ import annotations
 
+import logging
+
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 
@@ -16,6 +18,8 @@ from megatron_mlp.optim.kernel_call import state_views
 from megatron_mlp.optim.subgroups import STATE_NAMES, Subgroup
 from megatron_mlp.optim.transaction import check_chunk
 
+
+logger = logging.getLogger("megatron_mlp.optim.state_access")
 
 class StateAccess:
     """Reads and writes of the state by element range (``plan``'s subgroups, ``residency``'s
@@ -71,12 +75,18 @@ class StateAccess:
             flat = t.reshape(-1)
             initial_params = lambda a, b: flat[a:b]  # noqa: E731
         pending: dict = {}
+        forced = False
         try:
             for sg in self.plan:
                 buf = self.residency.acquire()
-                while buf is None:
+                while buf is None and pending:
                     self._reap_initial(pending, block=True)
                     buf = self.residency.acquire()
+                if buf is None:
+                    # A budget of pieces that holds no whole subgroup: the first write goes through
+                    # one buffer over the budget, given back as soon as it is written (waiting for
+                    # a buffer that can never fit spun forever).
+                    buf, forced = self.residency.acquire(force=True), True
                 views = state_views(sg, buf)
                 buf.torch(torch.uint8)[: sg.region_bytes].zero_()
                 if initial_params is not None:
@@ -88,6 +98,12 @@ class StateAccess:
         finally:
             while pending:
                 self._reap_initial(pending, block=True)
+        if forced:
+            # Said once here, and left out of the peak the steps report (they stay within it).
+            logger.warning("--mlp-offload-host-memory holds no whole subgroup (%d bytes): the start wrote each "
+                           "subgroup's first state through one buffer over the budget, given back at once",
+                           self.plan.max_region_bytes)
+            self.residency.pool.reset_peak()
 
     def _reap_initial(self, pending, block):
         if block:

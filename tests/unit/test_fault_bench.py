@@ -66,3 +66,16 @@ def test_bench_faults_on_the_moe_layout_loses_nothing_when_faults_land_on_either
     for kind, k in report["kinds"].items():
         assert k["injected"] == 1 and k["detected"] == 1 and k["recovered"] == 1, (kind, k)
         assert k["lost"] == 0 and k["bit_equal"], (kind, k)
+
+
+def test_bench_faults_under_a_host_budget_streams_pieces_and_loses_nothing(disk_dir):
+    # --host-memory: the pool in pieces (a budget smaller than one subgroup) under every fault kind.
+    r = run_script("faults", "--json", "--steps", "5", "--faults-per-kind", "1", "--num-params", "640000",
+                   "--subgroup-params", "160000", "--checkpoint-every", "2", "--host-memory", "1MB",
+                   "--dir", disk_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    assert report["host_memory_bytes"] == 1_000_000
+    for kind, k in report["kinds"].items():
+        assert k["lost"] == 0 and k["bit_equal"], (kind, k)
+        assert k["detected"] == k["injected"] == 1, (kind, k)

@@ -176,3 +176,26 @@ def test_pool_gives_a_free_buffer_of_one_size_back_when_another_size_needs_the_r
     assert all(p is not None for p in pieces) and pool.allocated_bytes == 100 + 120 <= pool.limit_bytes
     assert pool.try_acquire() is None
     assert pool.peak_bytes <= 250 and pool.over_budget_bytes == 0
+
+
+def test_a_budget_that_holds_no_whole_subgroup_starts_and_streams_every_step_within_it(two_tiers):
+    # Four pieces, less than one subgroup's buffer: the start (which writes each subgroup's first
+    # state whole) once spun forever waiting for a buffer that could never fit. Now its first
+    # write goes through one buffer over the budget, given back at once; every step stays within it.
+    sub, n = 100_000, 300_000
+    budget = 4 * PIECE
+    config = MLPOffloadConfig.from_paths(two_tiers, subgroup_params=sub, use_tokens=False, host_memory_bytes=budget,
+                                         block_bytes=BLOCK, calibration="off")
+    init = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    opt, ref = OffloadAdam(config, [(0, n)], [{"lr": 1e-2}], init), ReferenceAdamW([(0, n)], [{"lr": 1e-2}], init)
+    assert budget < opt.plan.max_region_bytes
+    with opt:
+        for step in range(3):
+            g = torch.randn(n, generator=torch.Generator().manual_seed(step)).bfloat16()
+            opt.step(g)
+            ref.step(g)
+            assert opt.last_step_stats["streamed_reads"] > 0
+            assert opt.last_step_stats["peak_host_bytes"] <= budget
+        got = opt.read_range(0, n)
+        for name in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[name], ref.state(name)), name
