@@ -22,6 +22,8 @@ def test_demo_json_reports_equal_losses_and_a_speedup_when_run_tiny(tmp_path, ex
     extra = []
     if explicit_paths:
         given = [tmp_path / "nvme", tmp_path / "pfs"]
+        for g in given:   # the demo creates nothing in paths it is given (a missing one is an error)
+            g.mkdir()
         extra = ["--paths", f"{given[0]};{given[1]}:qos=1GB/s"]
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_mlp", "demo", "--iters", "3", "--workdir", str(tmp_path),
