@@ -64,8 +64,13 @@ def bf16_moment_train(rank, world_size, spec, mlp_config, iters, inner_factory=N
 
 
 def bf16_moment_checkpoint_run(rank, world_size, spec, mlp_config, iters_before, iters_after, ckpt_dir, mode):
-    """runs.checkpoint_run (torch_dist, dp_reshardable) with the moment dtypes set to bf16."""
+    """runs.checkpoint_run (torch_dist, the installed line's default format) with bf16 moments."""
+    import megatron.core
+    from packaging.version import Version
+
     from megatron_mlp.testing import runs
+    # 0.15 added dp_reshardable (its default); before it the default is dp_zero_gather_scatter.
+    sharding = "dp_reshardable" if Version(megatron.core.__version__) >= Version("0.15") else "dp_zero_gather_scatter"
 
     make = gpt.optimizer_config
 
@@ -75,7 +80,8 @@ def bf16_moment_checkpoint_run(rank, world_size, spec, mlp_config, iters_before,
         return cfg
 
     gpt.optimizer_config = with_bf16_moments
-    return runs.checkpoint_run(rank, world_size, spec, 1, mlp_config, iters_before, iters_after, ckpt_dir, mode)
+    return runs.checkpoint_run(rank, world_size, spec, 1, mlp_config, iters_before, iters_after, ckpt_dir, mode,
+                               sharding)
 
 
 def _config(tmp_path, **kw):
