@@ -40,11 +40,9 @@ class Bf16MomentInMemoryAdam(InMemoryAdam):
                     st[name].copy_(st[name].bfloat16())
 
 
-def bf16_moment_train(rank, world_size, spec, mlp_config, iters, inner_factory=None):
-    """runs.train with the OptimizerConfig's moment dtypes set to bf16; also returns what the
-    offload optimizer of each distributed optimizer stores."""
-    from megatron_mlp.testing import runs
 
+def _use_bf16_moments() -> None:
+    """In this rank's process: every OptimizerConfig the runs build asks for bf16 moments."""
     make = gpt.optimizer_config
 
     def with_bf16_moments(spec, **overrides):
@@ -53,6 +51,14 @@ def bf16_moment_train(rank, world_size, spec, mlp_config, iters, inner_factory=N
         return cfg
 
     gpt.optimizer_config = with_bf16_moments
+
+
+def bf16_moment_train(rank, world_size, spec, mlp_config, iters, inner_factory=None):
+    """runs.train with the OptimizerConfig's moment dtypes set to bf16; also returns what the
+    offload optimizer of each distributed optimizer stores."""
+    from megatron_mlp.testing import runs
+
+    _use_bf16_moments()
     model, opt = runs.build(spec, 1, mlp_config, inner_factory=inner_factory)
     losses = [gpt.train_step(spec, model, opt, i) for i in range(iters)]
     stored = []
@@ -72,14 +78,7 @@ def bf16_moment_checkpoint_run(rank, world_size, spec, mlp_config, iters_before,
     # 0.15 added dp_reshardable (its default); before it the default is dp_zero_gather_scatter.
     sharding = "dp_reshardable" if Version(megatron.core.__version__) >= Version("0.15") else "dp_zero_gather_scatter"
 
-    make = gpt.optimizer_config
-
-    def with_bf16_moments(spec, **overrides):
-        cfg = make(spec, **overrides)
-        cfg.exp_avg_dtype = cfg.exp_avg_sq_dtype = torch.bfloat16
-        return cfg
-
-    gpt.optimizer_config = with_bf16_moments
+    _use_bf16_moments()
     return runs.checkpoint_run(rank, world_size, spec, 1, mlp_config, iters_before, iters_after, ckpt_dir, mode,
                                sharding)
 
