@@ -40,7 +40,6 @@ class Bf16MomentInMemoryAdam(InMemoryAdam):
                     st[name].copy_(st[name].bfloat16())
 
 
-
 def _use_bf16_moments() -> None:
     """In this rank's process: every OptimizerConfig the runs build asks for bf16 moments."""
     make = gpt.optimizer_config
