@@ -16,6 +16,7 @@ import errno
 import math
 import os
 import stat
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -68,7 +69,8 @@ class PassOptions:
     overwrite: bool = False          # write the file once, untimed, before a timed write
 
 
-def _io_pass(directory: str, size_bytes: int, phases: tuple[str, ...], barrier, block_bytes: int,
+def _io_pass(directory: str, size_bytes: int, phases: tuple[str, ...], barrier, barrier_timeout: float,
+             block_bytes: int,
              queue_depth: int, chunk_bytes: int, name: str, run_tag: str = "",
              options: PassOptions = PassOptions()) -> dict:
     from megatron_mlp.engine import Engine
@@ -104,7 +106,14 @@ def _io_pass(directory: str, size_bytes: int, phases: tuple[str, ...], barrier, 
                     _drop_page_cache(f)
             for phase in phases:
                 if barrier is not None:
-                    barrier.wait(60)
+                    # All start each phase together. The slowest peer may need as long as the whole
+                    # run (256 writers of a large file on one disk took over a minute), so the bound
+                    # is the run's own; a peer that fails releases the rest at once (abort).
+                    try:
+                        barrier.wait(barrier_timeout)
+                    except threading.BrokenBarrierError:
+                        raise RuntimeError("stopped: another calibration process failed or the run "
+                                           "ran out of time") from None
                 t0 = time.monotonic()
                 for off in range(0, size_bytes, chunk):
                     n = min(chunk, size_bytes - off)
@@ -205,8 +214,8 @@ def _run_procs(jobs: list[tuple], timeout: float = 600.0) -> list[dict]:
     """Run one :func:`_io_pass` per job in its own worker process; all start together."""
     ctx = worker_mp_context(["megatron_mlp.engine", "megatron_mlp.tier.calibration"])
     barrier = ctx.Barrier(len(jobs))
-    return run_workers(ctx, _io_pass, [(job[0], job[1], job[2], barrier) + tuple(job[3:]) for job in jobs],
-                       what="calibration", timeout=timeout)
+    return run_workers(ctx, _io_pass, [(job[0], job[1], job[2], barrier, timeout) + tuple(job[3:]) for job in jobs],
+                       what="calibration", timeout=timeout, on_error=barrier.abort)
 
 
 def _span(results: list[dict], phase: str) -> float:
@@ -225,7 +234,7 @@ def classify_shared_rw(size_bytes: int, read_bytes_per_s: float, write_bytes_per
 def _measure_passes(path, size_bytes, procs, block_bytes, queue_depth, chunk_bytes, run_tag,
                     options: PassOptions = PassOptions()):
     """The single-process, ``procs``-process and mixed passes of :func:`measure_path`."""
-    single = _io_pass(path, size_bytes, ("write", "read"), None, block_bytes, queue_depth, chunk_bytes, "single",
+    single = _io_pass(path, size_bytes, ("write", "read"), None, 0.0, block_bytes, queue_depth, chunk_bytes, "single",
                       run_tag, options)
     w1 = size_bytes / max(1e-9, single["write"][1] - single["write"][0])
     r1 = size_bytes / max(1e-9, single["read"][1] - single["read"][0])

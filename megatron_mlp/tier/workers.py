@@ -115,11 +115,13 @@ def _report(queue, fn, args, owner: int) -> None:
         queue.put(("error", f"{type(e).__name__}: {e}"))
 
 
-def run_workers(ctx, fn, jobs: list[tuple], *, what: str, timeout: float = 600.0) -> list:
+def run_workers(ctx, fn, jobs: list[tuple], *, what: str, timeout: float = 600.0, on_error=None) -> list:
     """``fn(*job)`` for each job, each in its own process of ``ctx``; returns their results.
 
     ``fn`` must be a module-level function (it is pickled to the workers). Processes that have not
     exited shortly after the last report (or the deadline) are killed, so none outlives the call.
+    ``on_error()`` runs at the first failure a worker reports: jobs that wait for each other (a
+    barrier) are released by it at once instead of waiting out their bound for a peer that is gone.
 
     Raises:
         RuntimeError: a worker raised (its message), or not every worker reported within ``timeout``
@@ -142,6 +144,8 @@ def run_workers(ctx, fn, jobs: list[tuple], *, what: str, timeout: float = 600.0
                 errors.append(f"a {what} process did not report in time")
                 break
             (results if kind == "ok" else errors).append(value)
+            if kind != "ok" and on_error is not None and len(errors) == 1:
+                on_error()
     except BaseException:
         # Interrupted (Ctrl-C, SIGTERM turned into an exception): stop the workers now rather than
         # let them run on for the join below; the caller removes what they leave behind.

@@ -83,3 +83,15 @@ def test_workers_die_with_their_parent_when_it_is_killed(tmp_path):
     for pid in _processes_with(marker):   # the workers, and the fork server and resource tracker
         os.kill(pid, signal.SIGKILL)
     assert left == [], "workers outlived the killed parent"
+
+
+def test_a_failure_releases_peers_waiting_at_a_barrier_at_once():
+    import operator
+    barrier = CTX.Barrier(3)
+    t0 = time.monotonic()
+    # Two jobs wait for all three at a 60 s barrier; the third fails before it gets there. Without
+    # the release the call would wait out the bound for a peer that is gone.
+    with pytest.raises(RuntimeError, match="invalid literal"):
+        run_workers(CTX, operator.call, [(barrier.wait, 60), (barrier.wait, 60), (int, "x")], what="test",
+                    on_error=barrier.abort)
+    assert time.monotonic() - t0 < 30
