@@ -15,6 +15,7 @@ import re
 import shlex
 
 from megatron_mlp.errors import ConfigError
+from megatron_mlp.printable import refuse_control_characters
 from megatron_mlp.tier.spec import check_bandwidth
 from megatron_mlp.units import format_size, parse_rate
 
@@ -27,7 +28,6 @@ SHELL_REFERENCES = DIRECTORY_REFERENCES + NAME_REFERENCES
 """Every ``$NAME`` / ``${NAME}`` a path option of ``megatron-mlp slurm`` may hold (docs/usage.md)."""
 
 _REFERENCE_RE = re.compile(r"\$\{(\w+)\}|\$(\w+)")
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+@-]{0,127}")
 _TIME_RE = re.compile(r"(\d+-)?\d{1,2}(:\d{2}){0,2}")
 
@@ -36,10 +36,7 @@ def _split(value: str, flag: str) -> list[tuple[str, str | None]]:
     """``value`` as (literal, reference-or-None) pieces; refuses anything the shell would run."""
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{flag}: {value!r} is empty; give a value")
-    bad = _CONTROL_RE.search(value)
-    if bad:
-        raise ConfigError(f"{flag}: {value!r} contains the control character {bad.group()!r}; a job-script "
-                          "value is one line of printable characters")
+    refuse_control_characters(value, flag, "a job-script value is one line of printable characters")
     if "`" in value:
         raise ConfigError(f"{flag}: {value!r} contains a backtick; a job-script value is data, never a command")
     pieces: list[tuple[str, str | None]] = []
@@ -146,8 +143,9 @@ def bandwidth_text(value: str, flag: str, *, shared_by_job: bool = False) -> str
     Raises:
         ConfigError: names ``flag`` and the value.
     """
-    if not isinstance(value, str) or _CONTROL_RE.search(value):
+    if not isinstance(value, str):
         raise ConfigError(f"{flag}: {value!r} is not a bandwidth (e.g. 6GB/s)")
+    refuse_control_characters(value, flag, "a bandwidth is one word (e.g. 6GB/s)")
     rate = parse_rate(value, flag)
     check_bandwidth(rate, repr(value), shared_by_job, flag)
     return f"{format_size(int(rate))}/s"

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from megatron_mlp.errors import ConfigError
+from megatron_mlp.printable import refuse_control_characters
 from megatron_mlp.units import parse_rate, parse_size
 
 PATHS_FLAG = "--mlp-offload-paths"
@@ -24,7 +25,6 @@ MAX_JOB_BYTES_PER_S = 100 * 10**12
 parallel file systems deliver ~10 TB/s in all)."""
 _BANDWIDTH_KEYS = {"bw": ("read_bytes_per_s", "write_bytes_per_s"), "read_bw": ("read_bytes_per_s",),
                    "write_bw": ("write_bytes_per_s",), "qos": ("qos_bytes_per_s",)}
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _VAR_RE = re.compile(r"\$(\{[^}]*\}?|\w*)")
 
 
@@ -42,10 +42,7 @@ def check_tier_path(path: str, flag: str = PATHS_FLAG, *, expanded: bool = True)
     """
     if not isinstance(path, str) or not path:
         raise ConfigError(f"{flag}: {path!r} is not a path")
-    bad = _CONTROL_RE.search(path)
-    if bad:
-        raise ConfigError(f"{flag}: {path!r} contains the control character {bad.group()!r}; a tier path "
-                          "holds printable characters only")
+    refuse_control_characters(path, flag, "a tier path holds printable characters only")
     var = _VAR_RE.search(path)
     if var:
         name = var.group(1).strip("{}")
