@@ -9,7 +9,6 @@ small. Workers return plain data for ``multiproc.run_distributed``.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -206,7 +205,7 @@ def checkpoint_run(rank, world_size, spec, mlp_config, iters_before, iters_after
                    sharding_type="dp_reshardable"):
     """mode 'save': train iters_before, save (torch_dist), train iters_after; 'load': build, load,
     train iters_after. Returns (losses and grad norms after the save point, params)."""
-    from megatron.core import dist_checkpointing
+    from megatron_mlp.testing.runs import load_checkpoint, save_checkpoint
 
     model, opt = build(spec, mlp_config)
     meta = {"distrib_optim_sharding_type": sharding_type}
@@ -220,17 +219,9 @@ def checkpoint_run(rank, world_size, spec, mlp_config, iters_before, iters_after
     if mode == "save":
         for i in range(iters_before):
             train_step(spec, model, opt, i)
-        msd = model_sd()
-        sd = {"model": msd, "optimizer": opt.sharded_state_dict(msd, metadata=meta)}
-        if rank == 0:
-            os.makedirs(ckpt_dir, exist_ok=True)
-        torch.distributed.barrier()
-        dist_checkpointing.save(sd, ckpt_dir)
-        torch.distributed.barrier()
+        save_checkpoint(model_sd(), opt, meta, ckpt_dir, rank)
     else:
-        msd = model_sd()
-        sd = {"model": msd, "optimizer": opt.sharded_state_dict(msd, is_loading=True, metadata=meta)}
-        loaded = dist_checkpointing.load(sd, ckpt_dir)
+        loaded = load_checkpoint(model_sd(), opt, meta, ckpt_dir)
         if len(modules) == 1:
             modules[0].load_state_dict(loaded["model"])
         else:

@@ -126,8 +126,6 @@ def _checkpoint_run(rank, world_size, spec, tp, mlp_config, iters_before, iters_
                     sharding_type, inner_factory):
     """mode 'save': train iters_before, save, keep training iters_after; 'load': build, load, train
     iters_after. Returns (losses after the save point, params, optimizer state by param name)."""
-    from megatron.core import dist_checkpointing
-
     from megatron_mlp.testing import gpt
 
     model, opt = build(spec, tp, mlp_config, inner_factory=inner_factory)
@@ -136,27 +134,39 @@ def _checkpoint_run(rank, world_size, spec, tp, mlp_config, iters_before, iters_
     if mode == "save":
         for i in range(iters_before):
             gpt.train_step(spec, model, opt, i)
-        model_sd = gpt_model.sharded_state_dict()
-        sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, metadata=meta)}
-        if rank == 0:
-            os.makedirs(ckpt_dir, exist_ok=True)
-        torch.distributed.barrier()
-        dist_checkpointing.save(sd, ckpt_dir)
-        torch.distributed.barrier()
+        save_checkpoint(gpt_model.sharded_state_dict(), opt, meta, ckpt_dir, rank)
     else:
         if mlp_config is None:
             # Stock DistributedOptimizer without TE/Apex cannot load into a fresh optimizer (no
             # torch state yet: an assert on the per-param steps). One step creates that state;
             # the load then overwrites params, Adam state and step.
             gpt.train_step(spec, model, opt, 0)
-        model_sd = gpt_model.sharded_state_dict()
-        sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=meta)}
-        loaded = dist_checkpointing.load(sd, ckpt_dir)
+        loaded = load_checkpoint(gpt_model.sharded_state_dict(), opt, meta, ckpt_dir)
         gpt_model.load_state_dict(loaded["model"])
         opt.load_state_dict(loaded["optimizer"])
     state = optimizer_state_by_param(model, opt)
     losses = [gpt.train_step(spec, model, opt, iters_before + i) for i in range(iters_after)]
     return losses, gpt.model_params(model), state
+
+
+def save_checkpoint(model_sd: dict, opt, meta: dict, ckpt_dir: str, rank: int) -> None:
+    """Megatron's distributed save of the model's and the optimizer's sharded state into ``ckpt_dir``."""
+    from megatron.core import dist_checkpointing
+
+    sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, metadata=meta)}
+    if rank == 0:
+        os.makedirs(ckpt_dir, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(sd, ckpt_dir)
+    torch.distributed.barrier()
+
+
+def load_checkpoint(model_sd: dict, opt, meta: dict, ckpt_dir: str) -> dict:
+    """Megatron's distributed load of what :func:`save_checkpoint` wrote; the caller applies it."""
+    from megatron.core import dist_checkpointing
+
+    sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=meta)}
+    return dist_checkpointing.load(sd, ckpt_dir)
 
 
 def optimizer_state_by_param(model, opt) -> dict:
