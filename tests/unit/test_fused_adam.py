@@ -9,19 +9,7 @@ import torch
 from megatron_mlp import _C
 from megatron_mlp.optim import fused_adam as fa
 
-ISAS = ["scalar", "avx2", "avx512"]
-GRAD_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    name = request.param
-    if not _C.isa_supported(name):
-        pytest.skip(f"this CPU cannot run the {name} kernel path")
-    previous = fa.kernel_isa()
-    fa.set_kernel_isa(name)
-    yield name
-    fa.set_kernel_isa(previous)
+from kernel_paths import GRAD_DTYPES, ISAS, isa  # noqa: F401  (isa: the fixture)
 
 
 def torch_adamw(param0, grads, *, lr, betas, eps, weight_decay, inv_loss_scale=1.0, clip_coef=1.0):

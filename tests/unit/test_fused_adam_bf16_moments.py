@@ -5,29 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_mlp import _C
 from megatron_mlp.optim import fused_adam as fa
 from megatron_mlp.optim.checksum import crc32c
 from megatron_mlp.optim.reference_adam import adamw_step_bf16_moments
 
-ISAS = ["scalar", "avx2", "avx512"]
-GRAD_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+from kernel_paths import GRAD_DTYPES, ISAS, isa  # noqa: F401  (isa: the fixture)
+
+
 HYPER = [
     dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1),
     dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-6, weight_decay=0.0),
     dict(lr=0.05, beta1=0.3, beta2=0.5, eps=1e-3, weight_decay=0.01),   # beta1 < 0.5: lerp's other branch
 ]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    name = request.param
-    if not _C.isa_supported(name):
-        pytest.skip(f"this CPU cannot run the {name} kernel path")
-    previous = fa.kernel_isa()
-    fa.set_kernel_isa(name)
-    yield name
-    fa.set_kernel_isa(previous)
 
 
 def bits(t):

@@ -6,20 +6,9 @@ import math
 import pytest
 import torch
 
-from megatron_mlp import _C
 from megatron_mlp.optim import fused_adam as fa
 
-GRAD_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-
-
-@pytest.fixture(params=["scalar", "avx2", "avx512"])
-def isa(request):
-    if not _C.isa_supported(request.param):
-        pytest.skip(f"this CPU cannot run the {request.param} kernel path")
-    previous = fa.kernel_isa()
-    fa.set_kernel_isa(request.param)
-    yield request.param
-    fa.set_kernel_isa(previous)
+from kernel_paths import GRAD_DTYPES, isa  # noqa: F401  (isa: the fixture)
 
 
 @pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=lambda d: str(d).split(".")[-1])
