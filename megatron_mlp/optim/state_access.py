@@ -6,8 +6,6 @@ materialized, and pickles as the data it holds, never as the optimizer.
 """
 from __future__ import annotations
 
-import logging
-
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 
@@ -18,8 +16,6 @@ from megatron_mlp.optim.kernel_call import state_views
 from megatron_mlp.optim.subgroups import STATE_NAMES, Subgroup
 from megatron_mlp.optim.transaction import check_chunk
 
-
-logger = logging.getLogger("megatron_mlp.optim.state_access")
 
 class StateAccess:
     """Reads and writes of the state by element range (``plan``'s subgroups, ``residency``'s
@@ -75,7 +71,6 @@ class StateAccess:
             flat = t.reshape(-1)
             initial_params = lambda a, b: flat[a:b]  # noqa: E731
         pending: dict = {}
-        forced = False
         try:
             for sg in self.plan:
                 buf = self.residency.acquire()
@@ -83,34 +78,83 @@ class StateAccess:
                     self._reap_initial(pending, block=True)
                     buf = self.residency.acquire()
                 if buf is None:
-                    # A budget of pieces that holds no whole subgroup: the first write goes through
-                    # one buffer over the budget, given back as soon as it is written (waiting for
-                    # a buffer that can never fit spun forever).
-                    buf, forced = self.residency.acquire(force=True), True
+                    # A budget of pieces that holds no whole subgroup: the first state goes out
+                    # piece by piece through the stream's piece buffers, within the budget.
+                    pending[self._write_initial_in_pieces(sg, initial_params)] = None
+                    continue
                 views = state_views(sg, buf)
                 buf.torch(torch.uint8)[: sg.region_bytes].zero_()
                 if initial_params is not None:
-                    src = initial_params(sg.start, sg.end)
-                    if src.numel() != sg.numel:
-                        raise ConfigError(f"initial_params({sg.start}, {sg.end}) returned {src.numel()} elements")
-                    views["param"].copy_(src.reshape(-1))
+                    views["param"].copy_(_initial_slice(initial_params, sg, 0, sg.numel))
                 pending[self.tiers.of(sg.index).flush(sg, buf)] = buf
         finally:
             while pending:
                 self._reap_initial(pending, block=True)
-        if forced:
-            # Said once here, and left out of the peak the steps report (they stay within it).
-            logger.warning("--mlp-offload-host-memory holds no whole subgroup (%d bytes): the start wrote each "
-                           "subgroup's first state through one buffer over the budget, given back at once",
-                           self.plan.max_region_bytes)
-            self.residency.pool.reset_peak()
+
+    def _write_initial_in_pieces(self, sg: Subgroup, initial_params):
+        """Write ``sg``'s first state through piece buffers (``HostMemoryPlan.piece_bytes``), each
+        given back once its write is over; returns the Future of the whole write-back, which switches
+        the record only when every piece is written (``StreamedFlush``). The region's crc32c is
+        chained array by array over the pieces (each array's pieces are in order) and joined."""
+        import errno
+        import threading
+
+        from megatron_mlp.optim.checksum import crc32c, crc32c_combine
+        from megatron_mlp.optim.streamed_flush import StreamedFlush
+
+        memory, pool, store = self.residency.host_memory, self.residency.pool, self.tiers.of(sg.index)
+        pieces = sg.pieces(memory.piece_params)
+        flush = StreamedFlush(store, sg, None, pieces)
+        freed = threading.Condition()
+
+        def written(buf, error):   # on the tier's write lane
+            if getattr(error, "errno", None) == errno.ETIMEDOUT:
+                pool.abandon(buf)   # the timed-out write may still read it
+            else:
+                pool.release(buf)
+            with freed:
+                freed.notify_all()
+
+        array_crcs = [0, 0, 0]
+        for k, (lo, hi) in enumerate(pieces):
+            with freed:
+                # The budget holds at least MIN_STREAM_PIECES pieces: one comes back when a write is over.
+                buf = pool.try_acquire(nbytes=memory.piece_bytes)
+                while buf is None:
+                    freed.wait(1.0)
+                    buf = pool.try_acquire(nbytes=memory.piece_bytes)
+            u8 = buf.torch(torch.uint8)
+            u8.zero_()
+            if initial_params is not None:
+                sg.piece_views(u8, lo, hi)[0].copy_(_initial_slice(initial_params, sg, lo, hi))
+            offsets = sg.piece_buffer_offsets(lo, hi)
+            if store.checksum:
+                for a, (at, (_, nbytes)) in enumerate(zip(offsets, sg.piece_ranges(lo, hi))):
+                    array_crcs[a] = crc32c(u8[at:at + nbytes], seed=array_crcs[a])
+            flush.write_piece(k, (u8, offsets), lambda error, b=buf: written(b, error))
+        crc = None
+        if store.checksum:
+            crc = 0
+            for array_crc, nbytes in zip(array_crcs, sg.array_strides):
+                crc = crc32c_combine(crc, array_crc, nbytes)
+        return flush.finish(crc)
 
     def _reap_initial(self, pending, block):
         if block:
             wait_futures(list(pending), return_when=FIRST_COMPLETED)
         for fut in [f for f in pending if f.done()]:
-            self.residency.release(pending.pop(fut))
+            buf = pending.pop(fut)
+            if buf is not None:   # a piece-wise write gave its buffers back as it went
+                self.residency.release(buf)
             fut.result()
+
+
+def _initial_slice(initial_params, sg: Subgroup, lo: int, hi: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of ``sg``'s first params from ``initial_params(start, end)``."""
+    src = initial_params(sg.start + lo, sg.start + hi)
+    if src.numel() != hi - lo:
+        raise ConfigError(f"initial_params({sg.start + lo}, {sg.start + hi}) returned {src.numel()} elements")
+    return src.reshape(-1)
 
 
 class SubgroupAccess:

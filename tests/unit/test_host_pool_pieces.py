@@ -179,9 +179,10 @@ def test_pool_gives_a_free_buffer_of_one_size_back_when_another_size_needs_the_r
 
 
 def test_a_budget_that_holds_no_whole_subgroup_starts_and_streams_every_step_within_it(two_tiers):
-    # Four pieces, less than one subgroup's buffer: the start (which writes each subgroup's first
-    # state whole) once spun forever waiting for a buffer that could never fit. Now its first
-    # write goes through one buffer over the budget, given back at once; every step stays within it.
+    # Four pieces, less than one subgroup's buffer: the start once spun forever waiting for a
+    # buffer that could never fit, then wrote through one buffer over the budget. Now it writes
+    # each subgroup's first state piece by piece: the start and every step stay within the budget,
+    # and the first step's reads verify the crc32c the start wrote.
     sub, n = 100_000, 300_000
     budget = 4 * PIECE
     config = MLPOffloadConfig.from_paths(two_tiers, subgroup_params=sub, use_tokens=False, host_memory_bytes=budget,
@@ -189,6 +190,7 @@ def test_a_budget_that_holds_no_whole_subgroup_starts_and_streams_every_step_wit
     init = torch.randn(n, generator=torch.Generator().manual_seed(0))
     opt, ref = OffloadAdam(config, [(0, n)], [{"lr": 1e-2}], init), ReferenceAdamW([(0, n)], [{"lr": 1e-2}], init)
     assert budget < opt.plan.max_region_bytes
+    assert opt.pool.over_budget_bytes == 0 and opt.pool.peak_bytes <= budget, "the start stays within the budget"
     with opt:
         for step in range(3):
             g = torch.randn(n, generator=torch.Generator().manual_seed(step)).bfloat16()
