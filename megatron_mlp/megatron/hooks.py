@@ -19,6 +19,7 @@ twice is harmless (launcher on a patched checkout).
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import weakref
 
@@ -92,7 +93,11 @@ def _print_rank_0(message: str) -> None:
             return
     except ImportError:
         pass
-    print(message, flush=True)
+    # One write of the whole line: print() writes the text and its newline apart, and with an
+    # unbuffered stdout (PYTHONUNBUFFERED, common under launchers) another rank's log line can
+    # land between the two on the shared pipe.
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
 
 
 def tier_bytes_line(optimizers, interval: int) -> str | None:
@@ -136,6 +141,22 @@ def megatron_writers(global_vars) -> tuple:
     return tuple(out)
 
 
+def logged_iteration(signature, args, kwargs, margs) -> int | None:
+    """The iteration Megatron's own log line is for: ``training_log``'s ``iteration`` argument, bound
+    by name because its position differs between Megatron-LM lines. Not ``args.curr_iteration``:
+    the loop sets that before the step and counts the step after it, so it is one behind and our
+    line would follow Megatron's one iteration late. Without the argument: ``curr_iteration + 1``."""
+    if signature is not None:
+        try:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            bound = {}
+        if isinstance(bound.get("iteration"), int):
+            return bound["iteration"]
+    current = getattr(margs, "curr_iteration", None)
+    return None if current is None else current + 1
+
+
 def wrap_training_log(training_log, get_args, get_timers, get_writers=None):
     """Megatron's per-iteration log, followed by our timers every ``--log-interval`` iterations.
 
@@ -148,11 +169,16 @@ def wrap_training_log(training_log, get_args, get_timers, get_writers=None):
     if _hooked(training_log):
         return training_log
 
+    try:
+        signature = inspect.signature(training_log)
+    except (TypeError, ValueError):
+        signature = None
+
     @functools.wraps(training_log)
     def hooked(*args, **kwargs):
         result = training_log(*args, **kwargs)
         margs = get_args()
-        iteration = getattr(margs, "curr_iteration", None)
+        iteration = logged_iteration(signature, args, kwargs, margs)
         interval = getattr(margs, "log_interval", None)
         if getattr(margs, "mlp_offload", False) and iteration and interval and iteration % interval == 0:
             timers = get_timers()

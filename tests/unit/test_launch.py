@@ -187,14 +187,40 @@ def test_training_log_hook_skips_timers_between_log_intervals():
             self.logged.append(names)
 
     class Args:
-        mlp_offload, log_interval, curr_iteration = True, 5, 3
+        mlp_offload, log_interval = True, 5
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale):  # 0.16's order
+        return "ok"
 
     timers = Timers()
-    wrapped = hooks.wrap_training_log(lambda *a, **k: "ok", lambda: Args, lambda: timers)
-    assert wrapped() == "ok" and timers.logged == []
-    Args.curr_iteration = 10
-    wrapped()
+    wrapped = hooks.wrap_training_log(training_log, lambda: Args, lambda: timers)
+    assert wrapped({}, {}, 1e-3, 3, 1.0) == "ok" and timers.logged == []
+    wrapped({}, {}, 1e-3, 10, 1.0)
     assert timers.logged == [["optimizer-mlp-offload-update"]]
+
+
+@pytest.mark.parametrize("call", [
+    lambda log: log({}, {}, 1e-3, 1e-3, 5, 1.0),            # 0.13-0.15: decoupled_learning_rate before it
+    lambda log: log({}, {}, 1e-3, 1e-3, iteration=5, loss_scale=1.0),
+])
+def test_our_line_follows_megatrons_own_line_of_the_same_iteration_whatever_the_argument_order(call, capsys):
+    class Args:   # the loop sets curr_iteration before the step: one behind the iteration logged
+        mlp_offload, log_interval, curr_iteration = True, 5, 4
+
+    class Timers:
+        _timers = {"optimizer-mlp-offload-update": 1}
+        logged = []
+
+        def log(self, names, normalizer=1.0):
+            self.logged.append(names)
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, iteration, loss_scale):
+        print(f"megatron: iteration {iteration}")
+
+    timers = Timers()
+    call(hooks.wrap_training_log(training_log, lambda: Args, lambda: timers))
+    assert timers.logged == [["optimizer-mlp-offload-update"]]
+    assert hooks.logged_iteration(None, (), {}, Args) == 5    # no argument to bind: curr_iteration + 1
 
 
 def test_cpu_switch_makes_cuda_calls_of_megatron_lm_run_on_cpu():
@@ -254,23 +280,24 @@ def test_training_log_hook_prints_bytes_each_tier_moved_once_per_log_interval(ca
         optimizer = Inner()
 
     class Args:
-        mlp_offload, log_interval, curr_iteration = True, 5, 3
+        mlp_offload, log_interval = True, 5
 
     class Timers:
         _timers = {}
 
+    def training_log(loss_dict, iteration):
+        return "ok"
+
     opt = Dist()
     hooks._built.add(opt)
     try:
-        wrapped = hooks.wrap_training_log(lambda *a, **k: "ok", lambda: Args, lambda: Timers())
-        wrapped()
+        wrapped = hooks.wrap_training_log(training_log, lambda: Args, lambda: Timers())
+        wrapped({}, 3)
         assert "megatron_mlp: last" not in capsys.readouterr().out   # not a log iteration
-        Args.curr_iteration = 5
-        wrapped()
+        wrapped({}, 5)
         assert capsys.readouterr().out.strip() == ("megatron_mlp: last 5 iterations, this rank: /nvme/x read 3.00 MB, "
                                                    "wrote 2.00 MB; /pfs/y read 1.00 MB, wrote 0 B")
-        Args.curr_iteration = 10
-        wrapped()
+        wrapped({}, 10)
         assert "megatron_mlp: last" not in capsys.readouterr().out   # counted anew: nothing moved since
     finally:
         hooks._built.discard(opt)

@@ -210,8 +210,8 @@ def pretrain():
     for it in range(start, args.train_iters):
         if args.standin_kill_local_rank == _node_and_local_rank()[1] and args.standin_kill_iteration == it + 1:
             _die_mid_update(opt)
+        args.curr_iteration = it   # as Megatron-LM's loop: set before the step, one behind the logged iteration
         loss = gpt.train_step(spec, model, opt, it)
-        args.curr_iteration = it + 1
         training_log(loss, grad_norms[-1], it + 1, args.train_iters)
         result["losses"][it + 1] = float(loss).hex()
         result["grad_norms"][it + 1] = float(grad_norms[-1]).hex()
