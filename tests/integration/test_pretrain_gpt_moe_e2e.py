@@ -12,53 +12,22 @@ docs/usage.md, "CPU smoke run"); CI has no checkout, so this is skipped there.
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from megatron_lm import MEGATRON_LM_PATH, needs_checkout, torchrun
 
-REPO = Path(__file__).resolve().parents[2]
-MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
-
-pytestmark = pytest.mark.skipif(
-    not MEGATRON_LM_PATH or not os.path.isfile(os.path.join(MEGATRON_LM_PATH or "", "pretrain_gpt.py")),
-    reason="MEGATRON_LM_PATH is not set to a Megatron-LM checkout (CI has none; see docs/usage.md)")
+pytestmark = needs_checkout
 
 TINY_MOE = (
     "--num-layers 2 --hidden-size 32 --ffn-hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-    "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --min-lr 1e-4 "
-    "--lr-decay-style cosine --lr-warmup-iters 1 --train-iters 8 --bf16 --clip-grad 0.3 "
-    "--tokenizer-type NullTokenizer --mock-data --split 99,1,0 --transformer-impl local "
-    "--distributed-backend gloo --use-cpu-initialization --no-gradient-accumulation-fusion "
-    "--no-bias-gelu-fusion --no-bias-dropout-fusion --no-masked-softmax-fusion --no-persist-layer-norm "
-    "--no-rope-fusion --hidden-dropout 0 --attention-dropout 0 --use-distributed-optimizer --log-interval 1 "
-    "--eval-iters 0 --eval-interval 1000 --timing-log-level 2 --seed 1234 "
+    "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --clip-grad 0.3 "
     "--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather "
     "--disable-bias-linear").split()
 
 
-def _vocab_args() -> list[str]:
-    """Megatron-Core 0.13's mock documents hold token ids up to 4095 (0.14+ wrap them at the vocab)."""
-    info = Path(MEGATRON_LM_PATH, "megatron", "core", "package_info.py").read_text()
-    minor = int(re.search(r"^MINOR\s*=\s*(\d+)", info, re.M).group(1))
-    return ["--vocab-size", "4096" if minor < 14 else "256"]
-
-
-ITER_RE = re.compile(r"iteration +(\d+)/ *\d+ .*lm loss: ([0-9.E+-]+) .*grad norm: ([0-9.]+)")
-
-
 def _torchrun(args: list[str], tmp: Path) -> tuple[str, dict[int, tuple[str, str]]]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29537",
-           "-m", "megatron_mlp.launch", os.path.join(MEGATRON_LM_PATH, "pretrain_gpt.py")]
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               OMP_NUM_THREADS="1", MLP_OFFLOAD_CPU="1")
-    proc = subprocess.run(cmd + TINY_MOE + _vocab_args() + args, cwd=tmp, env=env, capture_output=True,
-                          text=True, timeout=900)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    return out, {int(m.group(1)): (m.group(2), m.group(3)) for m in ITER_RE.finditer(out)}
+    return torchrun(os.path.join(MEGATRON_LM_PATH, "pretrain_gpt.py"), TINY_MOE + args, tmp, port=29537,
+                    extra_env={"MLP_OFFLOAD_CPU": "1"})
 
 
 def test_moe_with_expert_parallelism_matches_stock_saves_and_resumes(tmp_path):
