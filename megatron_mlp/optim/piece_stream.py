@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_mlp.optim.lane_batch import LaneBatch
 from megatron_mlp.optim.streamed_flush import StreamedFlush
 from megatron_mlp.optim.subgroups import Subgroup
 
@@ -87,6 +88,7 @@ class PieceStream:
         self.outstanding = 0    # reads and writes not over
         self.stopped = False
         self._cond = threading.Condition()
+        self._read_batches: dict = {}   # tier -> LaneBatch of the pieces issued for its read lane
 
     # -- reads ------------------------------------------------------------------------------------
 
@@ -124,38 +126,59 @@ class PieceStream:
             if rec.current is None:
                 raise AssertionError(f"subgroup {sg.index} was never written to {store.file_path}")
             sub.snapshot = (rec.current, rec.offsets[rec.current], rec.crc, rec.generation)
-        offset = sub.snapshot[1]
-        ranges = sg.piece_ranges(*sub.pieces[k])
-        at = {rel: off for off, (rel, _) in zip(sg.piece_buffer_offsets(*sub.pieces[k]), ranges)}
-        region = buf.torch(torch.uint8)
+        # Pieces issued while the tier's read lane is busy are read together (optim/lane_batch.py).
+        batch = self._read_batches.get(t)
+        if batch is None:
+            batch = self._read_batches[t] = LaneBatch(lambda items, store=store: self._read_pieces(store, items))
+        batch.put(store._read_lane, (sub, k, buf))
 
-        def read():
-            t0 = time.perf_counter()
-            store._io_pieces(lambda rel, n: store.engine.read(store.handle, region, offset + rel, n, at[rel]),
-                             "read", offset, [ranges])
+    def _read_pieces(self, store, items) -> None:
+        """The read lane's job: the pieces ``items`` (``(sub, k, buf)``, in issue order), their
+        requests submitted at once under one hold of the tier's token; each piece lands (its Future)
+        as soon as its requests and those of the pieces before it are done. An error fails the
+        piece it hit and every later one of the batch, and stops the stream."""
+        requests, target = [], {}
+        for sub, k, buf in items:
+            offset, region = sub.snapshot[1], buf.torch(torch.uint8)
+            ranges = sub.sg.piece_ranges(*sub.pieces[k])
+            piece = []
+            for at, (rel, n) in zip(sub.sg.piece_buffer_offsets(*sub.pieces[k]), ranges):
+                target[offset + rel] = (region, at)
+                piece.append((offset + rel, n))
+            requests.append(piece)
+        landed = 0
+        t0 = time.perf_counter()
+
+        def on_piece(j: int) -> None:
+            nonlocal landed
+            sub, k, _ = items[j]
+            landed = j + 1
             t1 = time.perf_counter()
-            store.stats.add(fetch_s=t1 - t0, bytes_read=sum(n for _, n in ranges), fetches=int(k == 0))
+            nbytes = sum(n for _, n in requests[j])
+            store.stats.add(bytes_read=nbytes, fetches=int(k == 0))
             if self.trace is not None:
-                self.trace.span(store._lane("read"), "fetch", t0, t1, subgroup=sg.index, piece=k,
-                                bytes=sum(n for _, n in ranges))
-
-        def job():
-            error = None
-            try:
-                store._with_token(store.token, read)
-            except BaseException as e:  # noqa: BLE001 -- delivered through the piece's Future
-                error = e
+                self.trace.span(store._lane("read"), "fetch", t0, t1, subgroup=sub.sg.index, piece=k, bytes=nbytes,
+                                batch=len(items))
             with self._cond:
                 self.outstanding -= 1
-                if error is not None:
-                    self.stopped = True   # the step stops at this piece: read nothing more
                 self._cond.notify_all()
-            if error is None:
-                sub.landed[k].set_result(None)
-            else:
-                sub.landed[k].set_exception(error)
+            sub.landed[k].set_result(None)
 
-        store._read_lane.submit(job)
+        def read():
+            store._io_pieces(lambda off, n: store.engine.read(store.handle, target[off][0], off, n, target[off][1]),
+                             "read", 0, requests, on_piece)
+
+        try:
+            store._with_token(store.token, read)
+        except BaseException as error:  # noqa: BLE001 -- delivered through the pieces' Futures
+            with self._cond:
+                self.outstanding -= len(items) - landed
+                self.stopped = True   # the step stops at this piece: read nothing more
+                self._cond.notify_all()
+            for sub, k, _ in items[landed:]:
+                sub.landed[k].set_exception(error)
+        finally:
+            store.stats.add(fetch_s=time.perf_counter() - t0)
 
     # -- the kernel -------------------------------------------------------------------------------
 

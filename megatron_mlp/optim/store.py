@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from megatron_mlp.errors import IntegrityError, TierIOError
 from megatron_mlp.optim.stats import TierStepStats
 from megatron_mlp.optim.store_file import SlotRecord, close_tier_file, open_tier_file
-from megatron_mlp.optim.streamed_flush import StreamedFlush
+from megatron_mlp.optim.lane_batch import LaneBatch
+from megatron_mlp.optim.streamed_flush import StreamedFlush, write_pieces
 from megatron_mlp.optim.subgroups import Subgroup
 from megatron_mlp.tier.scratch import reserve_space
 from megatron_mlp.tier.token_wait import acquire_or_go_on, token_wait_bound_s
@@ -78,6 +79,7 @@ class TierStore:
     stuck: bool = False           # at close: I/O still hangs (the scratch is left to the next run)
     _hung_request: object = None  # the request that timed out; while it runs, later waits fail at once
     _tokens_passed: set = field(default_factory=set)   # ids of tokens gone on without until they are free again
+    write_batch: object = None    # a LaneBatch of streamed pieces for the write lane (create)
 
     @classmethod
     def create(cls, index: int, spec, subgroups: list[Subgroup], *, engine_factory, token_factory,
@@ -110,6 +112,8 @@ class TierStore:
         store._write_lane = (ThreadPoolExecutor(1, thread_name_prefix=f"mlp-tier{index}-wr")
                              if split else store._read_lane)
         store.stats = TierStepStats(path=spec.path)
+        # Pieces written while the write lane is busy go out together (optim/lane_batch.py).
+        store.write_batch = LaneBatch(lambda items: write_pieces(store, items))
         return store
 
     # -- asynchronous region I/O (run on the lane threads) -------------------------------------

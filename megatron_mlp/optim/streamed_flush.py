@@ -32,51 +32,28 @@ class StreamedFlush:
     def write_piece(self, k: int, source=None, done=None) -> None:
         """Piece ``k`` is final. ``source``: ``(buffer, offsets)`` when the piece is in a buffer of its
         own (its three arrays at ``offsets``, ``Subgroup.piece_buffer_offsets``) rather than in ``region``; ``done(error)`` runs
-        on the write lane once the piece's requests are over (None, or the error that stopped them)."""
+        on the write lane once the piece's requests are over (None, or the error that stopped them).
+        Pieces handed in while the lane is busy go to the device together (``optim/lane_batch.py``)."""
         if k != self.handed_in:
             raise ValueError(f"StreamedFlush: piece {k} handed in after {self.handed_in} of {len(self.pieces)}")
         self.handed_in += 1
-        self.store._write_lane.submit(self._write, k, source, done)
+        self.store.write_batch.put(self.store._write_lane, (self, k, source, done))
 
     def finish(self, crc: int | None) -> Future:
         if self.handed_in != len(self.pieces):
             raise ValueError(f"StreamedFlush: finish after {self.handed_in} of {len(self.pieces)} pieces")
         done: Future = Future()
-        self.store._write_lane.submit(self._finish, crc, done)   # the lane runs it after the pieces
+        # Queued behind the pieces on the same batch: it runs once they are all written.
+        self.store.write_batch.put(self.store._write_lane, (self, None, crc, done))
         return done
 
-    def _write(self, k: int, source=None, done=None) -> None:   # on the write lane
-        error = self.error
-        try:
-            if error is None:
-                self._write_now(k, source)
-        except BaseException as e:  # noqa: BLE001 -- delivered by finish()
-            self.error = error = e
-        if done is not None:
-            done(error)
-
-    def _write_now(self, k: int, source) -> None:
-        store, sg = self.store, self.sg
-        ranges = sg.piece_ranges(*self.pieces[k])
+    def _requests(self, k: int, source) -> list[tuple[int, int, object, int]]:
+        """``(file offset, nbytes, buffer, buffer offset)`` of each request of piece ``k``."""
+        ranges = self.sg.piece_ranges(*self.pieces[k])
         if source is None:
-            buffer, at = self.region, {rel: rel for rel, _ in ranges}
-        else:
-            buffer, offsets = source
-            at = {rel: off for off, (rel, _) in zip(offsets, ranges)}
-
-        def write():
-            t0 = time.perf_counter()
-            store._io_pieces(lambda rel, n: store.write_engine.write(store.write_handle, buffer,
-                                                                     self.offset + rel, n, at[rel]),
-                             "write", self.offset, [ranges])
-            t1 = time.perf_counter()
-            store.stats.add(flush_s=t1 - t0)
-            if store.trace is not None:
-                lo, hi = self.pieces[k]
-                store.trace.span(store._lane("write"), "write-back", t0, t1, subgroup=sg.index, piece=k,
-                                 bytes=sum(n for _, n in sg.piece_ranges(lo, hi)), slot=self.slot)
-
-        store._with_token(store.write_token, write)
+            return [(self.offset + rel, n, self.region, rel) for rel, n in ranges]
+        buffer, offsets = source
+        return [(self.offset + rel, n, buffer, at) for at, (rel, n) in zip(offsets, ranges)]
 
     def _finish(self, crc: int | None, done: Future) -> None:   # on the write lane, after every piece
         store, rec = self.store, self.store.records[self.sg.index]
@@ -88,3 +65,65 @@ class StreamedFlush:
             # Switch only now: the old slot stayed the good copy until every piece was written.
             rec.current, rec.crc, rec.generation = self.slot, (crc if store.checksum else None), rec.generation + 1
         done.set_result(None)
+
+
+def write_pieces(store, items) -> None:
+    """The write lane's job for ``store.write_batch``: the pieces queued, in order, their requests
+    submitted together under one hold of the write token; a flush's ``finish`` runs once the
+    pieces queued before it are written. ``items``: ``(flush, k, source, done)`` for a piece,
+    ``(flush, None, crc, future)`` for a finish."""
+    run: list = []
+    for item in items:
+        if item[1] is None:
+            _write_run(store, run)
+            run = []
+            item[0]._finish(item[2], item[3])
+        else:
+            run.append(item)
+    _write_run(store, run)
+
+
+def _write_run(store, run: list) -> None:
+    """Write the pieces of ``run`` (of one or more flushes) at once; each piece's ``done(error)``
+    once its requests are over. A piece of a flush that already failed is not written."""
+    live = []
+    for flush, k, source, done in run:
+        if flush.error is None:
+            live.append((flush, k, source, done))
+        elif done is not None:
+            done(flush.error)
+    if not live:
+        return
+    requests = [flush._requests(k, source) for flush, k, source, _ in live]
+    target = {off: (buf, at) for piece in requests for off, _, buf, at in piece}
+    landed = 0
+    t0 = time.perf_counter()
+
+    def on_piece(j: int) -> None:
+        nonlocal landed
+        flush, k, _, done = live[j]
+        landed = j + 1
+        t1 = time.perf_counter()
+        if store.trace is not None:
+            lo, hi = flush.pieces[k]
+            store.trace.span(store._lane("write"), "write-back", t0, t1, subgroup=flush.sg.index, piece=k,
+                             bytes=sum(n for _, n in flush.sg.piece_ranges(lo, hi)), slot=flush.slot,
+                             batch=len(live))
+        if done is not None:
+            done(None)
+
+    def write():
+        store._io_pieces(lambda off, n: store.write_engine.write(store.write_handle, target[off][0], off, n,
+                                                                 target[off][1]),
+                         "write", 0, [[(off, n) for off, n, _, _ in piece] for piece in requests], on_piece)
+
+    try:
+        store._with_token(store.write_token, write)
+    except BaseException as e:  # noqa: BLE001 -- delivered by each flush's finish()
+        for flush, _, _, done in live[landed:]:
+            if flush.error is None:
+                flush.error = e
+            if done is not None:
+                done(e)
+    finally:
+        store.stats.add(flush_s=time.perf_counter() - t0)

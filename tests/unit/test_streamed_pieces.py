@@ -480,3 +480,51 @@ def test_a_streamed_write_back_that_fails_keeps_the_new_state_in_host_memory(dis
         assert opt.last_step_stats["tiers"][0]["flush_errors"] == len(opt.plan) - opt.keep_slots
         assert sorted(opt.residency.buffers) == list(range(len(opt.plan)))
         assert_state_equal(opt, ref)
+
+
+class CountsInFlight:
+    """Wraps the store's engine: the most write requests submitted and not yet waited for at once."""
+
+    def __init__(self, engine):
+        self._engine, self.now, self.most = engine, 0, 0
+
+    def write(self, *args, **kwargs):
+        req = self._engine.write(*args, **kwargs)
+        self.now += 1
+        self.most = max(self.most, self.now)
+        counter = self
+
+        class Waited:
+            def wait(self, timeout=None):
+                try:
+                    return req.wait(timeout)
+                finally:
+                    counter.now -= 1
+
+            def done(self):
+                return req.done()
+
+        return Waited()
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+def test_pieces_handed_in_while_the_write_lane_is_busy_go_to_the_device_together(one_store):
+    store, engine, sg, bufs, data = one_store
+    pieces = sg.pieces(1024)
+    counting = CountsInFlight(store.write_engine)
+    store.write_engine = counting
+    gate = threading.Event()
+    store._write_lane.submit(gate.wait)          # the lane is busy with an earlier request
+    flush = store.flush_streamed(sg, bufs[0], pieces)
+    for k in range(len(pieces)):
+        flush.write_piece(k)
+    done = flush.finish(crc32c(bufs[0].torch(torch.uint8)[:sg.region_bytes]))
+    gate.set()
+    done.result(10)
+    # Every request of every piece was in flight at once: three per piece (one per state array).
+    assert counting.most == 3 * len(pieces) > 3
+    bufs[1].torch(torch.float32).zero_()
+    store.read_now(sg, bufs[1])                  # verified against the crc32c the flush recorded
+    assert torch.equal(bufs[1].torch(torch.float32), data)
