@@ -46,6 +46,13 @@ def _tier_lines(t: dict) -> list[str]:
     return lines
 
 
+def _error(predicted, measured) -> str:
+    """`` (measured +12%)``: how far the measured time is from the prediction."""
+    if not predicted or not measured:
+        return ""
+    return f" (measured {100 * (measured / predicted - 1):+.0f}%)"
+
+
 def _deepspeed_line(ds: dict) -> str:
     if "unavailable" in ds:
         return f"DeepSpeed's own update (--vs-deepspeed): not measured ({ds['unavailable']})"
@@ -90,7 +97,7 @@ def format_text(r: UpdateResult) -> str:
         for row in r.sweep:
             lines.append(f"  {row['host_memory_bytes'] / GB:7.2f} GB  {row['mlp_s']:7.2f} s  {_f(row['speedup'])}x  "
                          f"({row['mlp_host_bytes'] / GB:.2f} GB used, {row['host_memory']['cache_buffers']} cache "
-                         f"buffers; predicted {_f(row.get('predicted_s'))} s)")
+                         f"buffers; predicted {_f(row.get('predicted_s'))} s{_error(row.get('predicted_s'), row['mlp_s'])})")
     if r.state_dtypes and len(r.state_dtypes) > 1:
         lines.append("MLP-Offload's update per Adam moment dtype (fp32 master params; --state-dtype):")
         for row in r.state_dtypes:
@@ -98,7 +105,10 @@ def format_text(r: UpdateResult) -> str:
                          f"{row['bytes_moved_per_step'] / GB:7.3f} GB moved/step  {row['mlp_s']:7.2f} s  "
                          f"{_f(row['speedup'])}x the baseline")
     lines.append(f"references (yardsticks from the bandwidth passes, not bounds): I/O {_f(ref['io_s'])} s "
-                 f"(MLP-Offload {_x(ref['mlp_vs_io'])}); placement model predicted {_f(ref['predicted_s'])} s")
+                 f"(MLP-Offload {_x(ref['mlp_vs_io'])}); placement model predicted {_f(ref['predicted_s'])} s"
+                 f"{_error(ref['predicted_s'], mlp['seconds'])}"
+                 + (f" on the tiers' bandwidth beside the Adam kernel, {_f(ref['predicted_idle_s'])} s on their idle "
+                    "bandwidth (what plan says)" if ref.get("predicted_idle_s") not in (None, ref["predicted_s"]) else ""))
     lines.append(f"the step's kernels alone on {ref['kernel_threads'] or 'every'} thread(s), no I/O: "
                  f"{ref['kernel_s']:.2f} s; step reference, the larger of that and the I/O reference: "
                  f"{ref['step_s']:.2f} s ({_x(ref['mlp_vs_step'])})")

@@ -9,6 +9,7 @@ host-memory ``sweep``, the ``ablation`` and MLP-Offload's update per Adam moment
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -131,13 +132,16 @@ def _tier_rows(bandwidth, reference_bw, bandwidth_after, mlp_stats, steps: int) 
     return rows
 
 
-def _placement(args, tiers, budget=None, kernel_s: float = 0.0):
+def _placement(args, tiers, budget=None, kernel_s: float = 0.0, bandwidth=None):
     """The placement model's plan for this shard, the bytes host memory carries between steps over
     all ranks (the cache and the working buffers' subgroups), and the predicted update time
     (``placement.model.update_seconds``, with the measured kernel time) at ``budget`` (default:
-    the headline one)."""
+    the headline one), twice: on the idle bandwidths the run placed its subgroups with (what
+    ``plan`` and the optimizer's log say for these tiers), and on each real tier's bandwidth
+    beside the Adam kernel (``alongside_adam`` in ``bandwidth``, where measured: a step runs its
+    I/O beside the kernel), for the same layout."""
     from megatron_mlp.optim.placement import host_memory_for, plan_for, warm_subgroups
-    from megatron_mlp.optim.placement.model import update_seconds
+    from megatron_mlp.optim.placement.model import at_rates, update_seconds
     from megatron_mlp.optim.subgroups import SubgroupPlan
 
     plan = SubgroupPlan([(0, args.num_params // args.ranks)], args.subgroup_params)
@@ -145,8 +149,12 @@ def _placement(args, tiers, budget=None, kernel_s: float = 0.0):
     memory = host_memory_for(plan, config)
     placement = plan_for(plan, config, args.ranks, memory=memory)
     warm_bytes = warm_subgroups(config, memory) * plan.max_region_bytes * args.ranks
-    return placement, warm_bytes, memory.cache_bytes * args.ranks + warm_bytes, \
-        update_seconds(placement, memory, kernel_s)
+    idle_s = update_seconds(placement, memory, kernel_s)
+    beside = [dataclasses.replace(t, read_bytes_per_s=t.read_bytes_per_s * bw["alongside_adam"]["read_vs_idle"],
+                                  write_bytes_per_s=t.write_bytes_per_s * bw["alongside_adam"]["write_vs_idle"])
+              if bw.get("alongside_adam") else t for t, bw in zip(placement.tiers, bandwidth or [{}] * len(tiers))]
+    beside_s = update_seconds(at_rates(placement, beside), memory, kernel_s)
+    return placement, warm_bytes, memory.cache_bytes * args.ranks + warm_bytes, beside_s, idle_s
 
 
 def _paired(results, io_reference_s: float) -> dict:
@@ -189,7 +197,8 @@ def summarize(args, tiers, bandwidth, results, bandwidth_after=None) -> UpdateRe
     tier_rows = _tier_rows(bandwidth, reference_bw, bandwidth_after, mlp_stats, args.steps)
     io_reference_s = max(row["io_reference_s"] for row in tier_rows)
     kernel_s = max(r["kernel_reference"]["seconds"] for r in results)
-    placement, warm_bytes, held_bytes, predicted_s = _placement(args, tiers, kernel_s=kernel_s)
+    placement, warm_bytes, held_bytes, predicted_s, predicted_idle_s = _placement(args, tiers, kernel_s=kernel_s,
+                                                                                  bandwidth=bandwidth)
     # Bytes of state over all ranks: fp32 params, exp_avg, exp_avg_sq.
     policy_s = fluid_update_seconds(12.0 * args.num_params, held_bytes, reference_bw)
     step_s = max(io_reference_s, kernel_s)
@@ -199,13 +208,15 @@ def summarize(args, tiers, bandwidth, results, bandwidth_after=None) -> UpdateRe
     # double buffers.
     mlp_host = max(r["variants"][mlp_index]["host_bytes"] for r in results)
     sweep = [{"host_memory_bytes": args.host_memory, "mlp_s": mlp_s, "speedup": mlp["speedup"],
-              "mlp_host_bytes": mlp_host, "host_memory": mlp_variant["host_memory"], "predicted_s": predicted_s}]
+              "mlp_host_bytes": mlp_host, "host_memory": mlp_variant["host_memory"], "predicted_s": predicted_s,
+              "predicted_idle_s": predicted_idle_s}]
     for budget in args.host_memory_list[1:]:
         i, row = sweep_rows[sweep_name(budget)]
         sweep.append({"host_memory_bytes": budget, "mlp_s": row["seconds"], "speedup": row["speedup"],
                       "mlp_host_bytes": max(r["variants"][i]["host_bytes"] for r in results),
                       "host_memory": results[0]["variants"][i]["host_memory"],
-                      "predicted_s": _placement(args, tiers, budget, kernel_s)[3]})
+                      **dict(zip(("predicted_s", "predicted_idle_s"),
+                                 _placement(args, tiers, budget, kernel_s, bandwidth)[3:]))})
     state_rows = [_state_dtype_row(results, mlp_index, mlp, "fp32")]
     for d in getattr(args, "state_dtypes", ["fp32"])[1:]:
         i, row = sweep_rows[state_dtype_name(d)]
@@ -214,7 +225,8 @@ def summarize(args, tiers, bandwidth, results, bandwidth_after=None) -> UpdateRe
     references = {"io_s": io_reference_s, "mlp_vs_io": _ratio(mlp_s, io_reference_s),
                   "kernel_s": kernel_s, "kernel_threads": results[0]["kernel_reference"]["threads"],
                   "step_s": step_s, "mlp_vs_step": _ratio(mlp_s, step_s),
-                  "policy_s": policy_s, "predicted_s": predicted_s, "predicted_io_s": placement.total_seconds}
+                  "policy_s": policy_s, "predicted_s": predicted_s, "predicted_idle_s": predicted_idle_s,
+                  "predicted_io_s": placement.total_seconds}
     result = UpdateResult(
         machine={"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         config={"paths": args.paths, "num_params": args.num_params, "subgroup_params": args.subgroup_params,

@@ -326,3 +326,20 @@ def test_a_tiers_io_time_adds_reads_and_writes_on_a_shared_limit_and_overlaps_th
     assert disk.io_seconds(4, 4) == pytest.approx(4 / 2 + 4 / 4)
     assert duplex.io_seconds(4, 4) == pytest.approx(4 / 2)
     assert duplex.io_seconds(0, 12) == pytest.approx(3)
+
+
+def test_at_rates_keeps_the_layout_and_recomputes_each_tiers_time_on_the_new_bandwidths():
+    import dataclasses
+
+    from megatron_mlp.optim.placement.model import at_rates
+    tiers = [PlacementTier("/fast", 4e9, 8e9, shared_rw_limit=True), PlacementTier("/slow", 1e9, 1e9,
+                                                                                    shared_rw_limit=False)]
+    p = plan_placement([100_000_000] * 8, None, tiers, ranks_per_node=1)
+    slower = [dataclasses.replace(tiers[0], write_bytes_per_s=4e9), tiers[1]]   # writes at half speed beside the kernel
+    q = at_rates(p, slower)
+    assert q.tier_of == p.tier_of and q.tier_read_bytes == p.tier_read_bytes
+    assert q.tier_seconds[0] == pytest.approx(p.tier_read_bytes[0] / 4e9 + p.tier_write_bytes[0] / 4e9)
+    assert q.tier_seconds[1] == pytest.approx(p.tier_seconds[1])
+    assert q.total_seconds == pytest.approx(max(q.tier_seconds))
+    with pytest.raises(ValueError, match="not the placement's"):
+        at_rates(p, [tiers[1], tiers[0]])

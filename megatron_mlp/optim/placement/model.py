@@ -30,6 +30,7 @@ The solvers are in :mod:`.solve`, the event simulation of a full pool in :mod:`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -310,6 +311,24 @@ def _cache_sets(sizes, moves, host_cache_bytes, cached_subgroups, cache_model, w
                               f"working buffers): the cached subgroups need {used} bytes, the cache has "
                               f"{host_cache_bytes}")
     return [[(0, 0) if i in cached else m for i, m in enumerate(moves)]], cached, sum(sizes[i] for i in cached)
+
+
+def at_rates(placement: Placement, tiers: Sequence[PlacementTier]) -> Placement:
+    """The same layout (which subgroup where, what is cached, the bytes each tier moves) on the same
+    tiers at other bandwidths -- e.g. measured beside the Adam kernel, as a step runs them: each
+    tier's time recomputed, the slowest one the total (a full pool's simulated total is scaled
+    by how much the slowest tier changed)."""
+    if [t.path for t in tiers] != [t.path for t in placement.tiers]:
+        raise ValueError(f"at_rates: tiers {[t.path for t in tiers]} are not the placement's "
+                         f"{[t.path for t in placement.tiers]}")
+    model = _Model(tiers, placement.ranks_per_node)
+    seconds = tuple(model.time(j, r, w) for j, (r, w) in
+                    enumerate(zip(placement.tier_read_bytes, placement.tier_write_bytes)))
+    total = max(seconds, default=0.0)
+    before = max(placement.tier_seconds, default=0.0)
+    if placement.warm_subgroups and before > 0:
+        total = placement.total_seconds * total / before
+    return dataclasses.replace(placement, tiers=tuple(tiers), tier_seconds=seconds, total_seconds=total)
 
 
 def update_seconds(placement: Placement, memory=None, kernel_seconds: float = 0.0) -> float:
