@@ -201,3 +201,34 @@ def test_a_budget_that_holds_no_whole_subgroup_starts_and_streams_every_step_wit
         got = opt.read_range(0, n)
         for name in ("param", "exp_avg", "exp_avg_sq"):
             assert torch.equal(got[name], ref.state(name)), name
+
+
+def test_kept_subgroups_are_fetched_on_every_tier_at_once_and_the_kernel_follows_the_last(two_tiers, tmp_path):
+    # A budget of pieces plus four whole subgroups: each step keeps four subgroups in host memory,
+    # fetched whole. On two tiers their fetches must overlap (one per tier at a time, not one at a
+    # time in all: a kept subgroup on a slow tier was read only at the step's end), and the kernel
+    # follows the last one piece by piece instead of waiting for its whole read.
+    import json
+
+    from megatron_mlp.observe.trace import StepTrace
+    opt, ref = make(two_tiers, 16 * PIECE + 4 * REGION + 100)
+    trace_path = tmp_path / "trace.json"
+    with opt:
+        opt.attach_trace(StepTrace(str(trace_path), (3, 5)))
+        for step in range(1, 7):
+            opt.step(grads(step))
+            ref.step(grads(step))
+        assert_equal(opt, ref)
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    whole = [e for e in events if e.get("ph") == "X" and e["name"] == "fetch" and e["args"].get("piece") is None]
+    on_tier = {}
+    for e in whole:
+        on_tier.setdefault(lanes[(e["pid"], e["tid"])].split()[0], []).append((e["ts"], e["ts"] + e["dur"]))
+    assert len(on_tier) == 2, f"kept subgroups on both tiers: {sorted(on_tier)}"
+    (a, b) = on_tier.values()
+    assert any(s < e2 and s2 < e for s, e in a for s2, e2 in b), "whole fetches on the two tiers overlapped"
+    followed = {e["args"]["subgroup"] for e in events if e.get("ph") == "X" and e["name"] == "adam"
+                and e["args"].get("piece", 0) > 0}
+    kept_fetched = {e["args"]["subgroup"] for e in whole}
+    assert followed & kept_fetched, "the kernel updated a whole-fetched subgroup piece by piece"
