@@ -132,7 +132,7 @@ def _tier_rows(bandwidth, reference_bw, bandwidth_after, mlp_stats, steps: int) 
     return rows
 
 
-def _placement(args, tiers, budget=None, kernel_s: float = 0.0, bandwidth=None):
+def _placement(args, tiers, budget=None, kernel_s: float = 0.0, bandwidth=None, kernel_without_io_s=None):
     """The placement model's plan for this shard, the bytes host memory carries between steps over
     all ranks (the cache and the working buffers' subgroups), and the predicted update time
     (``placement.model.update_seconds``, with the measured kernel time) at ``budget`` (default:
@@ -149,11 +149,11 @@ def _placement(args, tiers, budget=None, kernel_s: float = 0.0, bandwidth=None):
     memory = host_memory_for(plan, config)
     placement = plan_for(plan, config, args.ranks, memory=memory)
     warm_bytes = warm_subgroups(config, memory) * plan.max_region_bytes * args.ranks
-    idle_s = update_seconds(placement, memory, kernel_s)
+    idle_s = update_seconds(placement, memory, kernel_s, kernel_without_io_s)
     beside = [dataclasses.replace(t, read_bytes_per_s=t.read_bytes_per_s * bw["alongside_adam"]["read_vs_idle"],
                                   write_bytes_per_s=t.write_bytes_per_s * bw["alongside_adam"]["write_vs_idle"])
               if bw.get("alongside_adam") else t for t, bw in zip(placement.tiers, bandwidth or [{}] * len(tiers))]
-    beside_s = update_seconds(at_rates(placement, beside), memory, kernel_s)
+    beside_s = update_seconds(at_rates(placement, beside), memory, kernel_s, kernel_without_io_s)
     return placement, warm_bytes, memory.cache_bytes * args.ranks + warm_bytes, beside_s, idle_s
 
 
@@ -197,8 +197,9 @@ def summarize(args, tiers, bandwidth, results, bandwidth_after=None) -> UpdateRe
     tier_rows = _tier_rows(bandwidth, reference_bw, bandwidth_after, mlp_stats, args.steps)
     io_reference_s = max(row["io_reference_s"] for row in tier_rows)
     kernel_s = max(r["kernel_reference"]["seconds"] for r in results)
-    placement, warm_bytes, held_bytes, predicted_s, predicted_idle_s = _placement(args, tiers, kernel_s=kernel_s,
-                                                                                  bandwidth=bandwidth)
+    kernel_without_io_s = max(r["kernel_reference"]["without_io_seconds"] for r in results)
+    placement, warm_bytes, held_bytes, predicted_s, predicted_idle_s = _placement(
+        args, tiers, kernel_s=kernel_s, bandwidth=bandwidth, kernel_without_io_s=kernel_without_io_s)
     # Bytes of state over all ranks: fp32 params, exp_avg, exp_avg_sq.
     policy_s = fluid_update_seconds(12.0 * args.num_params, held_bytes, reference_bw)
     step_s = max(io_reference_s, kernel_s)
@@ -216,7 +217,7 @@ def summarize(args, tiers, bandwidth, results, bandwidth_after=None) -> UpdateRe
                       "mlp_host_bytes": max(r["variants"][i]["host_bytes"] for r in results),
                       "host_memory": results[0]["variants"][i]["host_memory"],
                       **dict(zip(("predicted_s", "predicted_idle_s"),
-                                 _placement(args, tiers, budget, kernel_s, bandwidth)[3:]))})
+                                 _placement(args, tiers, budget, kernel_s, bandwidth, kernel_without_io_s)[3:]))})
     state_rows = [_state_dtype_row(results, mlp_index, mlp, "fp32")]
     for d in getattr(args, "state_dtypes", ["fp32"])[1:]:
         i, row = sweep_rows[state_dtype_name(d)]
@@ -224,6 +225,7 @@ def summarize(args, tiers, bandwidth, results, bandwidth_after=None) -> UpdateRe
     paired = _paired(results, io_reference_s)
     references = {"io_s": io_reference_s, "mlp_vs_io": _ratio(mlp_s, io_reference_s),
                   "kernel_s": kernel_s, "kernel_threads": results[0]["kernel_reference"]["threads"],
+                  "kernel_without_io_s": kernel_without_io_s,
                   "step_s": step_s, "mlp_vs_step": _ratio(mlp_s, step_s),
                   "policy_s": policy_s, "predicted_s": predicted_s, "predicted_idle_s": predicted_idle_s,
                   "predicted_io_s": placement.total_seconds}

@@ -159,6 +159,14 @@ def test_predicted_update_overlaps_tiers_and_kernel_when_the_pool_streams_pieces
     assert update_seconds(placement, memory, kernel_seconds=10 * io) == pytest.approx(10 * io + ends)
 
 
+def test_predicted_update_of_a_state_that_stays_in_host_memory_is_its_kernels_on_every_core():
+    from megatron_mlp.optim.placement.model import update_seconds
+    placement, memory = _placement_and_memory(16 * PIECE + 9 * REGION, subgroups=8)
+    assert not any(placement.tier_seconds), "the whole state fits the cache: nothing moves"
+    assert update_seconds(placement, memory, kernel_seconds=0.4, kernel_seconds_without_io=0.2) == 0.2
+    assert update_seconds(placement, memory, kernel_seconds=0.4) == 0.4
+
+
 def test_predicted_update_adds_the_tiers_when_two_whole_buffers_cannot_fetch_ahead():
     from megatron_mlp.optim.placement.model import update_seconds
     placement, memory = _placement_and_memory(2 * REGION + 10, pieces=False)

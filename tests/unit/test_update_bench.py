@@ -138,9 +138,9 @@ def test_adam_threads_of_a_bench_update_run_reach_both_sides(capsys, disk_dir, k
                  "--calib-bytes", "4MB", "--steps", "2", "--no-ablation", "--no-interference", "--adam-threads", "1")
     assert s["config"]["adam_threads"] == 1
     subgroups = 300000 // 50000
-    assert len(threads) == 5 * 2 * subgroups + 3 * subgroups, \
+    assert len(threads) == 5 * 2 * subgroups + 2 * 3 * subgroups, \
         "two steps of the baseline, two of MLP-Offload, two more paired with the replay, two rounds of " \
-        "both paired, and three passes of the kernels alone (the step's CPU floor)"
+        "both paired, and three passes of the kernels alone beside I/O (the step's CPU floor) and three without"
     assert set(threads) == {1}
 
 
@@ -260,7 +260,10 @@ def test_kernel_reference_runs_every_subgroups_kernel_with_a_steady_steps_checks
     assert (out["written"], out["fetched"]) == (2, 3)
     one_pass = [(1000, 7, True, False), (1000, 7, True, False), (1000, 7, False, False),
                 (1000, 7, False, True), (1000, 7, False, True), (500, 7, False, True)]
-    assert calls == one_pass * 2
+    # Then on every core with no checksum: a step whose whole state stays in host memory moves nothing.
+    without_io = [(1000, 99, False, False)] * 5 + [(500, 99, False, False)]
+    assert calls == one_pass * 2 + without_io * 2
+    assert out["without_io_threads"] == 99 and out["without_io_seconds"] >= 0
 
 
 def test_medians_leave_out_the_two_warm_up_steps_when_there_are_more():

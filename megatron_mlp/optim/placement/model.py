@@ -331,7 +331,8 @@ def at_rates(placement: Placement, tiers: Sequence[PlacementTier]) -> Placement:
     return dataclasses.replace(placement, tiers=tuple(tiers), tier_seconds=seconds, total_seconds=total)
 
 
-def update_seconds(placement: Placement, memory=None, kernel_seconds: float = 0.0) -> float:
+def update_seconds(placement: Placement, memory=None, kernel_seconds: float = 0.0,
+                   kernel_seconds_without_io: float | None = None) -> float:
     """The predicted update time of one step: the one function ``plan``, ``bench update`` and the
     optimizer's log use. It knows the host pool (``memory``, a ``HostMemoryPlan``):
 
@@ -346,7 +347,9 @@ def update_seconds(placement: Placement, memory=None, kernel_seconds: float = 0.
     * With the working buffers carrying subgroups, ``placement.total_seconds`` already comes from
       the event simulation of a full pool.
 
-    ``kernel_seconds``: the step's kernels alone (0: I/O only).
+    ``kernel_seconds``: the step's kernels alone on the cores a step leaves them beside its I/O (0:
+    I/O only). ``kernel_seconds_without_io``: the same kernels on every core, which they get when
+    the whole state stays in host memory and nothing moves (default: ``kernel_seconds``).
     """
     io = placement.total_seconds
     if memory is None:
@@ -356,7 +359,7 @@ def update_seconds(placement: Placement, memory=None, kernel_seconds: float = 0.
     unit = memory.piece_bytes if memory.streams else memory.buffer_bytes
     moving = [j for j, t in enumerate(placement.tier_seconds) if t > 0]
     if not moving:
-        return kernel_seconds
+        return kernel_seconds if kernel_seconds_without_io is None else kernel_seconds_without_io
     ranks = placement.ranks_per_node
     ends = max(unit * (t.ranks_sharing or ranks) / t.read_bytes_per_s +
                unit * (t.ranks_sharing or ranks) / t.write_bytes_per_s
