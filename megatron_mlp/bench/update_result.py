@@ -132,7 +132,13 @@ def _tier_rows(bandwidth, reference_bw, bandwidth_after, mlp_stats, steps: int) 
     return rows
 
 
-def _placement(args, tiers, budget=None, kernel_s: float = 0.0, bandwidth=None, kernel_without_io_s=None):
+def _kernel_times(results, i: int) -> tuple[float, float]:
+    """Variant ``i``'s kernels alone, beside I/O and without, over all ranks (its own reference)."""
+    refs = [r["variants"][i]["kernel_reference"] for r in results]
+    return max(k["seconds"] for k in refs), max(k["without_io_seconds"] for k in refs)
+
+
+def _placement(args, tiers, budget=None, kernel_s: float = 0.0, kernel_without_io_s=None, bandwidth=None):
     """The placement model's plan for this shard, the bytes host memory carries between steps over
     all ranks (the cache and the working buffers' subgroups), and the predicted update time
     (``placement.model.update_seconds``, with the measured kernel time) at ``budget`` (default:
@@ -217,7 +223,7 @@ def summarize(args, tiers, bandwidth, results, bandwidth_after=None) -> UpdateRe
                       "mlp_host_bytes": max(r["variants"][i]["host_bytes"] for r in results),
                       "host_memory": results[0]["variants"][i]["host_memory"],
                       **dict(zip(("predicted_s", "predicted_idle_s"),
-                                 _placement(args, tiers, budget, kernel_s, bandwidth, kernel_without_io_s)[3:]))})
+                                 _placement(args, tiers, budget, *_kernel_times(results, i), bandwidth)[3:]))})
     state_rows = [_state_dtype_row(results, mlp_index, mlp, "fp32")]
     for d in getattr(args, "state_dtypes", ["fp32"])[1:]:
         i, row = sweep_rows[state_dtype_name(d)]
