@@ -61,6 +61,10 @@ import argparse
 import dataclasses
 import multiprocessing as mp
 import os
+import re
+import shutil
+import socket
+import stat
 import sys
 import tempfile
 
@@ -278,7 +282,7 @@ def _run_ranks(args, measured) -> list[dict]:
 def run(argv: list[str] | None = None) -> tuple[UpdateResult, argparse.Namespace]:
     """Everything ``main`` measures, as an ``UpdateResult`` (with the parsed flags)."""
     args, tiers = _checked_args(argv)
-    runtime = tempfile.TemporaryDirectory(prefix="mlp-bench-tokens-")
+    runtime = runtime_dir()
     args.runtime_dir = runtime.name
     try:
         bandwidth = measure_tiers(tiers, args.calib, args, alongside=not args.no_interference)
@@ -293,6 +297,31 @@ def run(argv: list[str] | None = None) -> tuple[UpdateResult, argparse.Namespace
     finally:
         runtime.cleanup()
     return result, args
+
+
+RUNTIME_PREFIX = "mlp-bench-tokens-"
+
+
+def runtime_dir(parent: str | None = None) -> tempfile.TemporaryDirectory:
+    """The run's token runtime dir (in the temp dir), named with this host and process. A bench that
+    was killed cannot remove its own: first remove those of this user and host whose process is
+    gone (the host in the name: a temp dir shared by several hosts sees pids that are not ours)."""
+    from megatron_mlp.tier.stale import pid_alive
+
+    parent = parent or tempfile.gettempdir()
+    mine = re.compile(re.escape(f"{RUNTIME_PREFIX}{socket.gethostname()}-") + r"(\d+)-\w+")
+    for name in os.listdir(parent):
+        m = mine.fullmatch(name)
+        if m is None or pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(parent, name)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+            shutil.rmtree(path, ignore_errors=True)   # descriptor-based: symlinks inside are not followed
+    return tempfile.TemporaryDirectory(prefix=f"{RUNTIME_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=parent)
 
 
 def main(argv: list[str] | None = None) -> int:

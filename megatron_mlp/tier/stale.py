@@ -135,7 +135,7 @@ def _scan_calibrate_file(tier_fd: int, tier_path: str, name: str, host: str, rem
         scan.reported.append((path, f"made by pid {pid} on host {owner_host!r}; liveness cannot be checked "
                                     f"from {host!r}"))
         return
-    if _pid_alive(pid):
+    if pid_alive(pid):
         return   # a calibration running now
     why = f"calibration file of pid {pid} on {host}, which is gone"
     if not remove:
@@ -168,7 +168,7 @@ def _staleness(dfd: int, host: str) -> tuple[str, str]:
             lock_free = True
         except OSError as e:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                if isinstance(pid, int) and not _pid_alive(pid):
+                if isinstance(pid, int) and not pid_alive(pid):
                     # The owner is gone but someone holds its lock: a process it forked that
                     # inherited the descriptor (before that fork released it), still running.
                     return "unknown", (f"owner pid {pid} on {host} is gone but its lock is still held, likely by a "
@@ -180,7 +180,7 @@ def _staleness(dfd: int, host: str) -> tuple[str, str]:
             os.close(fd)
     # Both proofs where we have both: the lock is free *and* the pid is gone. A free lock with a
     # live pid (reused, or an owner that ran without flock) is reported, never removed.
-    if isinstance(pid, int) and not _pid_alive(pid):
+    if isinstance(pid, int) and not pid_alive(pid):
         why = "no longer holds its lock and is gone" if lock_free else "is gone"
         return "stale", f"owner pid {pid} on {host} {why}"
     return "unknown", f"owner pid {pid} on {host} still exists" + (" (its lock is free)" if lock_free else "")
@@ -195,7 +195,8 @@ def _read_owner(dfd: int) -> dict | None:
         return None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
