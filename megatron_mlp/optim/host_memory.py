@@ -186,18 +186,20 @@ def _plan_pieces(config, budget: int, buffer_bytes: int, staging: int, upcast: i
                           piece, pieces, piece_params)
 
 
-def plan_host_memory(config, buffer_bytes: int, staging: int = 0) -> HostMemoryPlan:
+def plan_host_memory(config, buffer_bytes: int, staging: int = 0, max_numel: int | None = None) -> HostMemoryPlan:
     """Spend ``config.host_memory_bytes`` on staging, upcast, working buffers and cache.
 
     Args:
         config: the frozen ``MLPOffloadConfig``.
         buffer_bytes: one subgroup buffer (``SubgroupPlan.max_region_bytes``, at least 4096).
         staging: host staging bytes the caller holds for this optimizer (``staging_bytes``).
+        max_numel: elements of the largest subgroup (``SubgroupPlan.max_numel``; default the
+            configured subgroup size): sizes the ablation's fp32 upcast buffer.
     Raises:
         ConfigError: the budget is below the minimum pipeline (names the flag, budget and minimum).
     """
     buffer_bytes = max(int(buffer_bytes), 1)
-    upcast = 0 if config.deferred_upcast else 4 * config.subgroup_params
+    upcast = 0 if config.deferred_upcast else 4 * (config.subgroup_params if max_numel is None else int(max_numel))
     prefetch, flush = config.prefetch_depth, config.flush_depth
     requested = (prefetch, flush)
     budget = int(config.host_memory_bytes)

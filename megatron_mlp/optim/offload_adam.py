@@ -125,7 +125,7 @@ class OffloadAdam:
             # Pieces a subgroup streams in at a step's end and out at its start (step_pipeline.py).
             piece_params = piece_params_for(config.subgroup_params, config.block_bytes)
             self.pieces = {sg.index: sg.pieces(piece_params) for sg in self.plan}
-            self.kernel = AdamKernel(config, self.plan.subgroup_params, ranks_per_node, rank)
+            self.kernel = AdamKernel(config, self.plan.max_numel, ranks_per_node, rank)
             self.kernel_threads = self.kernel.num_threads
             self.access.write_initial(initial_params, self.numel)
         except BaseException:

@@ -205,6 +205,11 @@ class SubgroupPlan:
         return self.subgroups[i]
 
     @property
+    def max_numel(self) -> int:
+        """Elements of the largest subgroup (at most ``subgroup_params``; less when the shard is smaller)."""
+        return max((sg.numel for sg in self.subgroups), default=0)
+
+    @property
     def max_region_bytes(self) -> int:
         """Size of the largest region: every host buffer of the pool has this size."""
         return max((sg.region_bytes for sg in self.subgroups), default=0)

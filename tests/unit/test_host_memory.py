@@ -93,3 +93,10 @@ def test_optimizer_refuses_to_start_when_its_minimum_pipeline_does_not_fit(disk_
     cfg = config(disk_dir, host_memory_bytes=staging + BUF)
     with pytest.raises(ConfigError, match="--mlp-offload-host-memory"):
         OffloadAdam(cfg, [(0, N)], [{"lr": 1e-2}], None, staging_bytes=staging)
+
+
+def test_the_upcast_buffer_is_sized_by_the_largest_subgroup_of_a_shard_smaller_than_one():
+    # A rank whose shard is smaller than the configured subgroup size: the ablation's fp32 upcast
+    # needs the largest actual subgroup, not the configured size, and the budget counts that.
+    m = plan_host_memory(config(host_memory_bytes=8 * BUF, deferred_upcast=False), BUF, max_numel=SUB // 4)
+    assert m.upcast_bytes == 4 * (SUB // 4)

@@ -156,6 +156,18 @@ def test_deferred_upcast_ablation_gives_the_same_trajectory(tier_dirs):
         assert_state_equal(opt, ref)
 
 
+def test_the_ablations_upcast_buffer_holds_the_largest_subgroup_not_the_configured_size(tier_dirs):
+    numel = RANGES[-1][1]
+    opt, ref = make(tier_dirs, 1, subgroup_params=10 * numel, deferred_upcast=False)
+    with opt:
+        g = grads_for(0, torch.bfloat16)
+        opt.step(g)
+        ref.step(g)
+        assert opt.kernel.upcast_buffer.numel() == opt.plan.max_numel <= numel
+        assert opt.host_memory.upcast_bytes == 4 * opt.plan.max_numel
+        assert_state_equal(opt, ref)
+
+
 def test_tier_tokens_do_not_change_the_trajectory(tier_dirs, tmp_path):
     opt, ref = make(tier_dirs, 2, qos_last=True, subgroup_params=1950, use_tokens=True,
                     runtime_dir=str(tmp_path))

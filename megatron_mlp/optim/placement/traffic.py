@@ -17,7 +17,7 @@ from megatron_mlp.optim.subgroups import SubgroupPlan
 def host_memory_for(plan: SubgroupPlan, config, staging_bytes: int = 0) -> HostMemoryPlan:
     """How this plan spends the host-memory budget: the one function the optimizer, its placement
     and the benchmarks call, so that they agree."""
-    return plan_host_memory(config, max(plan.max_region_bytes, 4096), staging_bytes)
+    return plan_host_memory(config, max(plan.max_region_bytes, 4096), staging_bytes, plan.max_numel)
 
 
 def warm_subgroups(config, memory: HostMemoryPlan | None = None) -> int:
