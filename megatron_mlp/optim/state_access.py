@@ -27,10 +27,20 @@ class StateAccess:
     def subgroup(self, sg: Subgroup, load: bool = True, write_back: bool = False) -> SubgroupAccess:
         return SubgroupAccess(self, sg, load, write_back)
 
+    def _in_pieces(self, sg: Subgroup) -> bool:
+        """Whether an access to ``sg`` between steps goes piece by piece: it is not in host memory
+        and the budget can never hold a whole subgroup buffer (a pool of pieces only)."""
+        pool = self.residency.pool
+        return sg.index not in self.residency and pool.limit_bytes < pool.buffer_bytes
+
     def read_range(self, start: int, end: int) -> dict[str, torch.Tensor]:
         out = {name: torch.empty(end - start, dtype=torch.float32) for name in STATE_NAMES}
         for sg in self.plan.overlapping(start, end):
             lo, hi = max(start, sg.start), min(end, sg.end)
+            if self._in_pieces(sg):
+                self._read_in_pieces(sg, lo - sg.start, hi - sg.start, {n: t[lo - start:hi - start]
+                                                                        for n, t in out.items()})
+                continue
             with self.subgroup(sg) as views:
                 for name in STATE_NAMES:
                     out[name][lo - start:hi - start].copy_(views[name][lo - sg.start:hi - sg.start])
@@ -44,6 +54,12 @@ class StateAccess:
         for sg in self.plan.overlapping(start, end):
             lo, hi = max(start, sg.start), min(end, sg.end)
             whole = lo == sg.start and hi == sg.end and all(t is not None for t in given.values())
+            if whole and self._in_pieces(sg):
+                def fill(arrays, a, b, lo=lo, start=start):
+                    for name, array in zip(STATE_NAMES, arrays):
+                        array.copy_(given[name].reshape(-1)[lo - start + a:lo - start + b])
+                self._write_in_pieces(sg, fill).result()   # raises when not written: the old copy stays good
+                continue
             with self.subgroup(sg, load=not whole, write_back=True) as views:
                 for name, t in given.items():
                     if t is not None:
@@ -80,7 +96,10 @@ class StateAccess:
                 if buf is None:
                     # A budget of pieces that holds no whole subgroup: the first state goes out
                     # piece by piece through the stream's piece buffers, within the budget.
-                    pending[self._write_initial_in_pieces(sg, initial_params)] = None
+                    def fill(arrays, a, b, sg=sg):
+                        if initial_params is not None:
+                            arrays[0].copy_(_initial_slice(initial_params, sg, a, b))
+                    pending[self._write_in_pieces(sg, fill)] = None
                     continue
                 views = state_views(sg, buf)
                 buf.torch(torch.uint8)[: sg.region_bytes].zero_()
@@ -91,11 +110,12 @@ class StateAccess:
             while pending:
                 self._reap_initial(pending, block=True)
 
-    def _write_initial_in_pieces(self, sg: Subgroup, initial_params):
-        """Write ``sg``'s first state through piece buffers (``HostMemoryPlan.piece_bytes``), each
-        given back once its write is over; returns the Future of the whole write-back, which switches
-        the record only when every piece is written (``StreamedFlush``). The region's crc32c is
-        chained array by array over the pieces (each array's pieces are in order) and joined."""
+    def _write_in_pieces(self, sg: Subgroup, fill):
+        """Write ``sg``'s state through piece buffers (``HostMemoryPlan.piece_bytes``), each zeroed,
+        filled by ``fill(arrays, lo, hi)`` (the piece's param, exp_avg, exp_avg_sq views) and given
+        back once its write is over; returns the Future of the whole write-back, which switches the
+        record only when every piece is written (``StreamedFlush``). The region's crc32c is chained
+        array by array over the pieces (each array's pieces are in order) and joined."""
         import errno
         import threading
 
@@ -125,8 +145,11 @@ class StateAccess:
                     buf = pool.try_acquire(nbytes=memory.piece_bytes)
             u8 = buf.torch(torch.uint8)
             u8.zero_()
-            if initial_params is not None:
-                sg.piece_views(u8, lo, hi)[0].copy_(_initial_slice(initial_params, sg, lo, hi))
+            try:
+                fill(sg.piece_views(u8, lo, hi), lo, hi)
+            except BaseException:
+                pool.release(buf)
+                raise
             offsets = sg.piece_buffer_offsets(lo, hi)
             if store.checksum:
                 for a, (at, (_, nbytes)) in enumerate(zip(offsets, sg.piece_ranges(lo, hi))):
@@ -138,6 +161,49 @@ class StateAccess:
             for array_crc, nbytes in zip(array_crcs, sg.array_strides):
                 crc = crc32c_combine(crc, array_crc, nbytes)
         return flush.finish(crc)
+
+    def _read_in_pieces(self, sg: Subgroup, lo: int, hi: int, out: dict) -> None:
+        """Elements ``[lo, hi)`` of ``sg`` (relative to its start) into ``out`` (fp32, by state name),
+        read piece by piece through one piece buffer. Every piece is read, so the region's crc32c
+        (chained array by array, as written) is checked against the record before this returns:
+        a corrupt region raises ``IntegrityError`` and what was copied is not handed out."""
+        import errno
+
+        from megatron_mlp.optim.checksum import crc32c, crc32c_combine
+
+        memory, pool, store = self.residency.host_memory, self.residency.pool, self.tiers.of(sg.index)
+        rec = store.records[sg.index]
+        snapshot = (rec.current, rec.offsets[rec.current], rec.crc, rec.generation)
+        buf = pool.try_acquire(nbytes=memory.piece_bytes) or pool.try_acquire(force=True, nbytes=memory.piece_bytes)
+        u8 = buf.torch(torch.uint8)
+        array_crcs = [0, 0, 0]
+        try:
+            for a, b in sg.pieces(memory.piece_params):
+                ranges, offsets = sg.piece_ranges(a, b), sg.piece_buffer_offsets(a, b)
+                at = {rel: off for off, (rel, _) in zip(offsets, ranges)}
+                store._with_token(store.token, lambda ranges=ranges, at=at: store._io_pieces(
+                    lambda rel, n: store.engine.read(store.handle, u8, snapshot[1] + rel, n, at[rel]), "read",
+                    snapshot[1], [ranges]))
+                if store.checksum:
+                    for k, (off, (_, nbytes)) in enumerate(zip(offsets, ranges)):
+                        array_crcs[k] = crc32c(u8[off:off + nbytes], seed=array_crcs[k])
+                first, last = max(lo, a), min(hi, b)
+                if first < last:
+                    for name, array in zip(STATE_NAMES, sg.piece_views(u8, a, b)):
+                        out[name][first - lo:last - lo].copy_(array[first - a:last - a])
+        except TierIOError as e:
+            if e.errno == errno.ETIMEDOUT:
+                pool.abandon(buf)   # the timed-out read may still write into it
+                buf = None
+            raise
+        finally:
+            if buf is not None:
+                pool.release(buf)
+        if store.checksum:
+            got = 0
+            for array_crc, nbytes in zip(array_crcs, sg.array_strides):
+                got = crc32c_combine(got, array_crc, nbytes)
+            store.verify_checksum(sg, snapshot, got)
 
     def _reap_initial(self, pending, block):
         if block:

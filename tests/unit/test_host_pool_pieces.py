@@ -209,6 +209,36 @@ def test_a_budget_that_holds_no_whole_subgroup_starts_and_streams_every_step_wit
         got = opt.read_range(0, n)
         for name in ("param", "exp_avg", "exp_avg_sq"):
             assert torch.equal(got[name], ref.state(name)), name
+        # A checkpoint's read and a load of whole subgroups go piece by piece too: within the budget.
+        opt.access.write_range(0, n, {name: got[name] * 2 for name in got})
+        again = opt.read_range(sub // 2, n)                          # not aligned to a subgroup
+        for name in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(again[name], got[name][sub // 2:] * 2), name
+        assert opt.pool.over_budget_bytes == 0 and opt.pool.peak_bytes <= budget, "reads and loads within budget"
+
+
+def test_a_corrupt_region_read_piece_by_piece_between_steps_is_refused(two_tiers):
+    sub, n = 100_000, 300_000
+    config = MLPOffloadConfig.from_paths(two_tiers, subgroup_params=sub, use_tokens=False, host_memory_bytes=4 * PIECE,
+                                         block_bytes=BLOCK, calibration="off")
+    opt = OffloadAdam(config, [(0, n)], [{"lr": 1e-2}], torch.randn(n, generator=torch.Generator().manual_seed(0)))
+    with opt:
+        store = opt.tiers.of(1)
+        rec = store.records[1]
+        fd = os.open(store.file_path, os.O_RDWR)
+        try:
+            pos = rec.offsets[rec.current] + rec_bytes_into_last_array(opt.plan[1])
+            os.pwrite(fd, bytes([os.pread(fd, 1, pos)[0] ^ 0xFF]), pos)
+        finally:
+            os.close(fd)
+        with pytest.raises(IntegrityError, match="subgroup 1 "):
+            opt.read_range(sub, sub + 10)        # ten elements, but the whole region is checked
+        assert opt.pool.in_use == 0, "the piece buffer was given back"
+
+
+def rec_bytes_into_last_array(sg):
+    """A byte inside exp_avg_sq, in the subgroup's last piece: read last, after the copies."""
+    return sg.array_offsets[2] + (sg.numel - 1) * 4
 
 
 def test_kept_subgroups_are_fetched_on_every_tier_at_once_and_the_kernel_follows_the_last(two_tiers, tmp_path):
