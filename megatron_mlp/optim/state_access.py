@@ -1,5 +1,6 @@
 """The optimizer state between steps, by element range: from host memory when a subgroup is
-resident there, else read from (and written back to) its tier through one pool buffer.
+resident there, else read from (and written back to) its tier through one pool buffer, or piece
+by piece through piece buffers where the budget holds no whole subgroup.
 
 ``LazyStateChunk`` is a piece of ``OffloadAdam.state_dict``: it reads the tiers only when
 materialized, and pickles as the data it holds, never as the optimizer.
