@@ -20,18 +20,10 @@ import sys
 import time
 import uuid
 
-from megatron_mlp.units import parse_size
+from megatron_mlp.bench.io import engine_pass
 from megatron_mlp.engine import Engine
 from megatron_mlp.tier import safe_path
-
-
-def _pass(eng, f, buf, size: int, write: bool) -> float:
-    """One sequential pass over the file; bytes/s."""
-    submit = eng.write if write else eng.read
-    t0 = time.perf_counter()
-    for r in [submit(f, buf, off) for off in range(0, size, buf.nbytes)]:
-        r.wait()
-    return size / (time.perf_counter() - t0)
+from megatron_mlp.units import parse_size
 
 
 def _open_cost(directory: str, name: str, n: int) -> tuple[float, float]:
@@ -67,7 +59,7 @@ def main(argv=None) -> int:
         buf = eng.alloc(buf_bytes)
         buf.numpy()[:] = 0x5A
         f = eng.open(name, create=True, exclusive=True, dir_fd=dfd)
-        _pass(eng, f, buf, size, write=True)          # lay the file out once, unmeasured
+        engine_pass(eng, f, buf, size, write=True)   # lay the file out once, unmeasured
         f.close()
         handles = {"path": eng.open(os.path.join(directory, name), create=False),
                    "dir_fd": eng.open(name, create=False, dir_fd=dfd)}
@@ -77,7 +69,7 @@ def main(argv=None) -> int:
             order = list(handles) if rep % 2 == 0 else list(reversed(handles))
             for write in (True, False):
                 key = "write" if write else "read"
-                got = {k: _pass(eng, handles[k], buf, size, write) for k in order}
+                got = {k: engine_pass(eng, handles[k], buf, size, write) for k in order}
                 for k, v in got.items():
                     speeds[k][key].append(v)
                 ratios[key].append(got["dir_fd"] / got["path"])

@@ -79,7 +79,7 @@ def _validate(a) -> None:
 
 # ---- engine ---------------------------------------------------------------------------------------
 
-def _engine_pass(eng, f, buf, size: int, write: bool) -> float:
+def engine_pass(eng, f, buf, size: int, write: bool) -> float:
     """One sequential pass over the file; returns bytes/s."""
     step = buf.nbytes
     submit = eng.write if write else eng.read
@@ -204,7 +204,7 @@ def run(a) -> dict:
             buf.numpy()[:] = 0xA5
             f0 = first.open(file_name, create=True, exclusive=True, dir_fd=dir_fd)
             created = True
-            _engine_pass(first, f0, buf, a.size_bytes, write=True)  # lay the file out once, unmeasured
+            engine_pass(first, f0, buf, a.size_bytes, write=True)  # lay the file out once, unmeasured
             f0.close()
             if a.vs_deepspeed:
                 handle, ds_note = _deepspeed_handle(a)
@@ -215,11 +215,11 @@ def run(a) -> dict:
                     ds_runs["deepspeed"] = _deepspeed_pass(handle, ds_tensor, path)
                     primary_engine = engines.get("io_uring") or first
                     ds_file = primary_engine.open(file_name, create=False, dir_fd=dir_fd)
-                    ds_runs["engine_on_deepspeed_buffer"] = lambda w: _engine_pass(
+                    ds_runs["engine_on_deepspeed_buffer"] = lambda w: engine_pass(
                         primary_engine, ds_file, ds_tensor, a.size_bytes, w)
             handles = {b: eng.open(file_name, create=False, dir_fd=dir_fd) for b, eng in engines.items()}
             for rep in range(a.repeats):
-                runners = [(name, lambda w, n=name: _engine_pass(engines[n], handles[n], buf, a.size_bytes, w))
+                runners = [(name, lambda w, n=name: engine_pass(engines[n], handles[n], buf, a.size_bytes, w))
                            for name in engines]
                 if use_fio:
                     runners.append(("fio", lambda w: _fio_pass(a, path, w)))
