@@ -1,7 +1,6 @@
 """The host pool in pieces: a budget below two subgroup buffers runs, streaming pieces, bit for bit."""
 from __future__ import annotations
 
-import errno
 import os
 import tempfile
 
@@ -13,6 +12,8 @@ from megatron_mlp.errors import IntegrityError
 from megatron_mlp.optim.host_memory import minimum_bytes, piece_buffer_bytes, stream_piece_params
 from megatron_mlp.optim.offload_adam import OffloadAdam
 from megatron_mlp.optim.reference_adam import ReferenceAdamW
+
+from engine_faults import FailWrites
 
 SUB = 20_000
 N = 8 * SUB + 777              # a short last subgroup: its last piece carries a sliver and padding
@@ -70,24 +71,6 @@ def test_budget_below_two_subgroup_buffers_streams_pieces_and_its_measured_peak_
         if opt.host_memory.cache_buffers:
             assert opt.last_step_stats["cache_hits"] == opt.host_memory.cache_buffers
         assert_equal(opt, ref)
-
-
-class FailWrites:
-    """A real engine whose next write request, once ``times`` is set, fails with EIO that many
-    times (its retry included)."""
-
-    def __init__(self, engine):
-        self._engine, self.times, self.offset = engine, 0, None
-
-    def write(self, f, buffer, file_offset=0, nbytes=None, buffer_offset=0):
-        if self.times and self.offset in (None, file_offset):
-            self.times -= 1
-            self.offset = file_offset
-            self._engine.inject_fault(nth=1, err=errno.EIO, op="write")
-        return self._engine.write(f, buffer, file_offset, nbytes, buffer_offset)
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
 
 
 def test_a_streamed_write_back_that_fails_keeps_the_old_slot_and_the_recomputed_state_in_host_memory(two_tiers):

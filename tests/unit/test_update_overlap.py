@@ -5,7 +5,6 @@ mode gives bitwise the serial step's params and state, within the host budget, a
 that fails behind the caller is handled, with nothing lost, by the next call that waits."""
 from __future__ import annotations
 
-import errno
 import os
 import tempfile
 import threading
@@ -18,6 +17,8 @@ from megatron_mlp.errors import TierFailure
 from megatron_mlp.optim.host_memory import piece_buffer_bytes, stream_piece_params
 from megatron_mlp.optim.offload_adam import OffloadAdam
 from megatron_mlp.optim.reference_adam import ReferenceAdamW
+
+from engine_faults import FailWrites
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
 SUB = 20_000
@@ -167,24 +168,6 @@ def test_write_backs_complete_behind_the_caller_and_every_reader_waits_for_them(
         assert not opt.last_step_stats["failover"]["failed_tiers"]
         for name in STATES:
             assert torch.equal(got[name], ref.state(name)), name
-
-
-class FailWrites:
-    """A real engine whose next write request, once ``times`` is set, fails with EIO that many
-    times at its file offset (its retry included)."""
-
-    def __init__(self, engine):
-        self._engine, self.times, self.offset, self.every = engine, 0, None, False
-
-    def write(self, f, buffer, file_offset=0, nbytes=None, buffer_offset=0):
-        if self.times and (self.every or self.offset in (None, file_offset)):
-            self.times -= 1
-            self.offset = file_offset
-            self._engine.inject_fault(nth=1, err=errno.EIO, op="write")
-        return self._engine.write(f, buffer, file_offset, nbytes, buffer_offset)
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
