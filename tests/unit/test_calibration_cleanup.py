@@ -92,26 +92,40 @@ def test_leftovers_of_a_run_are_removed_and_nothing_else_when_a_worker_was_kille
     assert not ours.exists() and other_run.exists() and planted.is_symlink() and victim.read_bytes() == b"z"
 
 
-@pytest.mark.parametrize("sig,phase", [(signal.SIGTERM, "single"), (signal.SIGINT, "single"),
-                                       (signal.SIGTERM, "multi"), (signal.SIGINT, "multi"),
-                                       (signal.SIGHUP, "multi")])
-def test_calibrate_removes_its_partial_files_when_interrupted_by_a_signal(disk_dir, tmp_path, sig, phase):
-    # "multi": while worker processes write their own files, which the run must remove too.
+def _interrupt_calibrate(disk_dir, tmp_path, size: str, sig, ready, never: str, *, delay: float = 0.0,
+                         poll_s: float = 0.005, env=None) -> tuple[int, str]:
+    """Run ``calibrate`` with two processes on ``disk_dir``; once ``ready()`` (polled, within 60 s,
+    else fail with ``never``) and ``delay`` later send it ``sig``; returns its exit code and stderr."""
     proc = subprocess.Popen([sys.executable, "-m", "megatron_mlp", "calibrate", "--paths", disk_dir,
-                             "--size-bytes", "512MiB", "--procs", "2", "--cache", str(tmp_path / "cal.json")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--size-bytes", size, "--procs", "2", "--cache", str(tmp_path / "cal.json")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
     try:
         deadline = time.monotonic() + 60
-        while not any(n.startswith(CALIBRATE_PREFIX) and f"-{phase}-" in n for n in os.listdir(disk_dir)):
-            assert proc.poll() is None and time.monotonic() < deadline, "calibration never started writing"
-            time.sleep(0.005)
+        while not ready():
+            assert proc.poll() is None and time.monotonic() < deadline, never
+            time.sleep(poll_s)
+        time.sleep(delay)
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 128 + sig and "interrupted" in err, err
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("sig,phase", [(signal.SIGTERM, "single"), (signal.SIGINT, "single"),
+                                       (signal.SIGTERM, "multi"), (signal.SIGINT, "multi"),
+                                       (signal.SIGHUP, "multi")])
+def test_calibrate_removes_its_partial_files_when_interrupted_by_a_signal(disk_dir, tmp_path, sig, phase):
+    # "multi": while worker processes write their own files, which the run must remove too.
+    def writing():
+        return any(n.startswith(CALIBRATE_PREFIX) and f"-{phase}-" in n for n in os.listdir(disk_dir))
+
+    returncode, err = _interrupt_calibrate(disk_dir, tmp_path, "512MiB", sig, writing,
+                                           "calibration never started writing")
+    assert returncode == 128 + sig and "interrupted" in err, err
     assert os.listdir(disk_dir) == []
     assert not (tmp_path / "cal.json").exists()
 
@@ -124,30 +138,20 @@ def test_a_signal_while_calibrate_starts_its_workers_ends_it_in_one_line_leaving
     # that window must neither print a multiprocessing traceback nor leave a file or a worker behind.
     import uuid
     marker = uuid.uuid4().hex
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_mlp", "calibrate", "--paths", disk_dir,
-                             "--size-bytes", "256MiB", "--procs", "2", "--cache", str(tmp_path / "cal.json")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "MLP_SIGNAL_TEST": marker})
-    try:
-        deadline = time.monotonic() + 60
-        seen_single = False
-        while True:
-            names = [n for n in os.listdir(disk_dir) if n.startswith(CALIBRATE_PREFIX)]
-            single = any("-single-" in n for n in names)
-            seen_single = seen_single or single
-            if (seen_single and not single) or any("-multi-" in n for n in names):
-                break
-            assert proc.poll() is None and time.monotonic() < deadline, "calibration never reached its workers"
-            time.sleep(0.002)
-        time.sleep(delay)
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    seen_single = False
+
+    def workers_starting():
+        nonlocal seen_single
+        names = [n for n in os.listdir(disk_dir) if n.startswith(CALIBRATE_PREFIX)]
+        single = any("-single-" in n for n in names)
+        seen_single = seen_single or single
+        return (seen_single and not single) or any("-multi-" in n for n in names)
+
+    returncode, err = _interrupt_calibrate(disk_dir, tmp_path, "256MiB", sig, workers_starting,
+                                           "calibration never reached its workers", delay=delay, poll_s=0.002,
+                                           env={"MLP_SIGNAL_TEST": marker})
     assert "Traceback" not in err, err
-    assert proc.returncode == 128 + sig and "interrupted" in err, err
+    assert returncode == 128 + sig and "interrupted" in err, err
     assert [n for n in os.listdir(disk_dir) if n.startswith(CALIBRATE_PREFIX)] == []
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
