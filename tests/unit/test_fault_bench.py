@@ -13,11 +13,17 @@ pytest.importorskip("megatron_mlp._C", reason="the C++ core is not built")
 faults = load("faults")
 
 
-def test_bench_faults_json_reports_zero_lost_and_bit_equal_for_every_kind(disk_dir):
-    r = run_script("faults", "--json", "--steps", "5", "--faults-per-kind", "1", "--num-params", "60000",
-                   "--subgroup-params", "10000", "--checkpoint-every", "2", "--dir", disk_dir)
+def _campaign(disk_dir, *flags: str) -> dict:
+    """A 5-step campaign, one fault per kind, a checkpoint every 2 steps, on ``disk_dir``: its JSON
+    report (one object, nothing else on stdout), the run having ended with rc 0."""
+    r = run_script("faults", "--json", "--steps", "5", "--faults-per-kind", "1", "--checkpoint-every", "2",
+                   "--dir", disk_dir, *flags)
     assert r.returncode == 0, r.stderr[-3000:]
-    report = json.loads(r.stdout)          # one JSON object, nothing else on stdout
+    return json.loads(r.stdout)
+
+
+def test_bench_faults_json_reports_zero_lost_and_bit_equal_for_every_kind(disk_dir):
+    report = _campaign(disk_dir, "--num-params", "60000", "--subgroup-params", "10000")
     assert set(report["kinds"]) == set(faults.KINDS)
     for kind, k in report["kinds"].items():
         assert k["injected"] == 1, (kind, k)
@@ -57,11 +63,7 @@ def test_bench_faults_on_the_moe_layout_loses_nothing_when_faults_land_on_either
     # A dense and an expert optimizer with their own scratch on the same two tiers (an MoE rank):
     # every kind is injected into one of them, detected, recovered, and the state of both is
     # bit-equal to the fault-free run of the same layout.
-    r = run_script("faults", "--json", "--layout", "moe", "--steps", "5", "--faults-per-kind", "1",
-                   "--num-params", "160000", "--subgroup-params", "10000", "--checkpoint-every", "2",
-                   "--dir", disk_dir)
-    assert r.returncode == 0, r.stderr[-3000:]
-    report = json.loads(r.stdout)
+    report = _campaign(disk_dir, "--layout", "moe", "--num-params", "160000", "--subgroup-params", "10000")
     assert report["layout"] == "moe" and report["num_subgroups"] == 16
     for kind, k in report["kinds"].items():
         assert k["injected"] == 1 and k["detected"] == 1 and k["recovered"] == 1, (kind, k)
@@ -70,11 +72,7 @@ def test_bench_faults_on_the_moe_layout_loses_nothing_when_faults_land_on_either
 
 def test_bench_faults_under_a_host_budget_streams_pieces_and_loses_nothing(disk_dir):
     # --host-memory: the pool in pieces (a budget smaller than one subgroup) under every fault kind.
-    r = run_script("faults", "--json", "--steps", "5", "--faults-per-kind", "1", "--num-params", "640000",
-                   "--subgroup-params", "160000", "--checkpoint-every", "2", "--host-memory", "1MB",
-                   "--dir", disk_dir)
-    assert r.returncode == 0, r.stderr[-3000:]
-    report = json.loads(r.stdout)
+    report = _campaign(disk_dir, "--num-params", "640000", "--subgroup-params", "160000", "--host-memory", "1MB")
     assert report["host_memory_bytes"] == 1_000_000
     for kind, k in report["kinds"].items():
         assert k["lost"] == 0 and k["bit_equal"], (kind, k)
