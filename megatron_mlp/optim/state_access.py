@@ -120,7 +120,6 @@ class StateAccess:
         import errno
         import threading
 
-        from megatron_mlp.optim.checksum import crc32c, crc32c_combine
         from megatron_mlp.optim.streamed_flush import StreamedFlush
 
         memory, pool, store = self.residency.host_memory, self.residency.pool, self.tiers.of(sg.index)
@@ -151,17 +150,10 @@ class StateAccess:
             except BaseException:
                 pool.release(buf)
                 raise
-            offsets = sg.piece_buffer_offsets(lo, hi)
             if store.checksum:
-                for a, (at, (_, nbytes)) in enumerate(zip(offsets, sg.piece_ranges(lo, hi))):
-                    array_crcs[a] = crc32c(u8[at:at + nbytes], seed=array_crcs[a])
-            flush.write_piece(k, (u8, offsets), lambda error, b=buf: written(b, error))
-        crc = None
-        if store.checksum:
-            crc = 0
-            for array_crc, nbytes in zip(array_crcs, sg.array_strides):
-                crc = crc32c_combine(crc, array_crc, nbytes)
-        return flush.finish(crc)
+                _chain_piece_crcs(array_crcs, u8, sg, lo, hi)
+            flush.write_piece(k, (u8, sg.piece_buffer_offsets(lo, hi)), lambda error, b=buf: written(b, error))
+        return flush.finish(_join_array_crcs(array_crcs, sg) if store.checksum else None)
 
     def _read_in_pieces(self, sg: Subgroup, lo: int, hi: int, out: dict) -> None:
         """Elements ``[lo, hi)`` of ``sg`` (relative to its start) into ``out`` (fp32, by state name),
@@ -169,8 +161,6 @@ class StateAccess:
         (chained array by array, as written) is checked against the record before this returns:
         a corrupt region raises ``IntegrityError`` and what was copied is not handed out."""
         import errno
-
-        from megatron_mlp.optim.checksum import crc32c, crc32c_combine
 
         memory, pool, store = self.residency.host_memory, self.residency.pool, self.tiers.of(sg.index)
         rec = store.records[sg.index]
@@ -186,8 +176,7 @@ class StateAccess:
                     lambda rel, n: store.engine.read(store.handle, u8, snapshot[1] + rel, n, at[rel]), "read",
                     snapshot[1], [ranges]))
                 if store.checksum:
-                    for k, (off, (_, nbytes)) in enumerate(zip(offsets, ranges)):
-                        array_crcs[k] = crc32c(u8[off:off + nbytes], seed=array_crcs[k])
+                    _chain_piece_crcs(array_crcs, u8, sg, a, b)
                 first, last = max(lo, a), min(hi, b)
                 if first < last:
                     for name, array in zip(STATE_NAMES, sg.piece_views(u8, a, b)):
@@ -201,10 +190,7 @@ class StateAccess:
             if buf is not None:
                 pool.release(buf)
         if store.checksum:
-            got = 0
-            for array_crc, nbytes in zip(array_crcs, sg.array_strides):
-                got = crc32c_combine(got, array_crc, nbytes)
-            store.verify_checksum(sg, snapshot, got)
+            store.verify_checksum(sg, snapshot, _join_array_crcs(array_crcs, sg))
 
     def _reap_initial(self, pending, block):
         if block:
@@ -214,6 +200,23 @@ class StateAccess:
             if buf is not None:   # a piece-wise write gave its buffers back as it went
                 self.residency.release(buf)
             fut.result()
+
+
+def _chain_piece_crcs(array_crcs: list, piece, sg: Subgroup, lo: int, hi: int) -> None:
+    """Extend each array's running crc32c by its bytes of piece ``[lo, hi)`` in its own buffer
+    ``piece`` (a uint8 tensor; the last piece carries each array's padding). Pieces in order."""
+    from megatron_mlp.optim.checksum import crc32c
+    for k, (at, (_, nbytes)) in enumerate(zip(sg.piece_buffer_offsets(lo, hi), sg.piece_ranges(lo, hi))):
+        array_crcs[k] = crc32c(piece[at:at + nbytes], seed=array_crcs[k])
+
+
+def _join_array_crcs(array_crcs, sg: Subgroup) -> int:
+    """The region's crc32c from the crc32c of each whole array (padding included)."""
+    from megatron_mlp.optim.checksum import crc32c_combine
+    crc = 0
+    for array_crc, nbytes in zip(array_crcs, sg.array_strides):
+        crc = crc32c_combine(crc, array_crc, nbytes)
+    return crc
 
 
 def _initial_slice(initial_params, sg: Subgroup, lo: int, hi: int) -> torch.Tensor:
