@@ -15,14 +15,15 @@ first member for the overlap) is Megatron's own ChainedOptimizer code.
 
 The members share one rank's resources: ``--mlp-offload-host-memory`` is per rank, so
 ``finish_build`` splits it over the rank's optimizers by their state size (and says so in the
-log), and gives them one set of tier tokens. Each member places its own subgroups over the tiers
-with the same rule, in its own scratch directory per tier.
+log), gives them one set of tier tokens and places all their subgroups at once (``place_members``,
+``optim/placement/chain.py``); each member stores in its own scratch directory per tier.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 
+import torch
 from megatron.core.optimizer.optimizer import ChainedOptimizer
 
 from megatron_mlp.units import human_bytes
@@ -123,6 +124,25 @@ def finish_build(members: list, config) -> None:
         logger.info("MLP-Offload: %d distributed optimizers on this rank share %s (%s per rank), split by "
                     "state size: %s", len(members), what, human_bytes(budget) if budget else "no fixed budget",
                     "; ".join(parts))
-    tokens = shared_token_factory(config) if len(members) > 1 else None
-    for member, member_config in zip(members, configs):
-        member.build_offload(member_config, token_factory=tokens)
+    tokens, rows = None, [None] * len(members)
+    if len(members) > 1:
+        tokens = shared_token_factory(config)
+        rows = list(place_members(members, configs).rows)
+    for member, member_config, row in zip(members, configs, rows):
+        member.build_offload(member_config, token_factory=tokens, placement=row)
+
+
+def place_members(members: list, configs: list):
+    """One placement over the subgroups of all of a rank's optimizers (``placement.chain``), from one
+    free-space snapshot taken before any of them reserves; logged with its predicted time."""
+    from megatron_mlp.optim.placement.chain import rank_chain_placement
+    from megatron_mlp.optim.tier_stores import prepare_tier_paths
+
+    inputs = [m.offload_inputs(c) for m, c in zip(members, configs)]
+    configs = [c for c, _ in inputs]
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    rooms, _ = prepare_tier_paths(configs[0], rank)
+    chain = rank_chain_placement([m.offload_plan(c) for m, c in zip(members, configs)], configs,
+                                 [staging for _, staging in inputs], configs[0].ranks_per_node, rooms, rank)
+    logger.info("MLP-Offload rank %d: %s", rank, chain.describe())
+    return chain

@@ -35,15 +35,16 @@ class Segment:
 
 
 def default_inner_factory(mlp_config, group_ranges, param_groups, initial_params, staging_bytes=0,
-                          token_factory=None):
+                          token_factory=None, placement=None):
     """OffloadAdam over one optimizer's shard. ``token_factory``: shared by the optimizers of one
-    rank (``chained.shared_token_factory``); None builds this optimizer's own tokens."""
+    rank (``chained.shared_token_factory``); None builds this optimizer's own tokens. ``placement``:
+    its row of the rank's optimizers' one placement (``chained.finish_build``); None places it alone."""
     from megatron_mlp.optim.offload_adam import OffloadAdam
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     return OffloadAdam(mlp_config, group_ranges=group_ranges, param_groups=param_groups,
                        initial_params=initial_params, rank=rank, ranks_per_node=mlp_config.ranks_per_node,
-                       staging_bytes=staging_bytes, token_factory=token_factory)
+                       staging_bytes=staging_bytes, token_factory=token_factory, placement=placement)
 
 
 class OffloadInner:

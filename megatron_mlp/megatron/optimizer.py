@@ -121,19 +121,33 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         experts = [id(b) for c in self.model_chunks for b in getattr(c, "expert_parallel_buffers", None) or ()]
         return "expert" if any(id(b) in experts for b in self.buffers) else "dense"
 
-    def build_offload(self, mlp_config, token_factory=None) -> None:
-        """Build the offload optimizer over this rank's shard with ``mlp_config`` (its share of the
-        rank's host budget) and, for the optimizers of one rank, their shared tier tokens."""
-        if self.optimizer.offload is not None:
-            return
-        factory = self.inner_factory or default_inner_factory
+    def offload_inputs(self, mlp_config):
+        """The config this optimizer's offload runs with (moments in the dtype Megatron's flags give)
+        and the host bytes its pinned staging takes (counted in ``--mlp-offload-host-memory``)."""
         if mlp_config.moment_dtype != self._moment_dtype:
             mlp_config = mlp_config.replace(moment_dtype=self._moment_dtype)
-        # OffloadInner's pinned _grads_host/_params_host count in --mlp-offload-host-memory.
         from megatron_mlp.optim.host_memory import staging_bytes
         staging = staging_bytes(self._numel, transfer_dtype(self._grad_dtype, mlp_config.grad_transfer),
                                 self._param_dtype)
-        extra = {"token_factory": token_factory} if token_factory is not None and factory is default_inner_factory else {}
+        return mlp_config, staging
+
+    def offload_plan(self, mlp_config):
+        """The ``SubgroupPlan`` the offload optimizer builds over this shard with ``mlp_config``."""
+        from megatron_mlp.optim.host_memory import config_moment_bytes
+        from megatron_mlp.optim.subgroups import SubgroupPlan
+        return SubgroupPlan(self._group_ranges, mlp_config.subgroup_params, config_moment_bytes(mlp_config))
+
+    def build_offload(self, mlp_config, token_factory=None, placement=None) -> None:
+        """Build the offload optimizer over this rank's shard with ``mlp_config`` (its share of the
+        rank's host budget) and, for the optimizers of one rank, their shared tier tokens and their
+        row of the one placement of all their subgroups (``chained.finish_build``)."""
+        if self.optimizer.offload is not None:
+            return
+        factory = self.inner_factory or default_inner_factory
+        mlp_config, staging = self.offload_inputs(mlp_config)
+        extra = {}
+        if factory is default_inner_factory:
+            extra = {k: v for k, v in (("token_factory", token_factory), ("placement", placement)) if v is not None}
         self.optimizer.offload = factory(mlp_config, self._group_ranges, self.optimizer.param_groups,
                                          self._initial_params, staging_bytes=staging, **extra)
 

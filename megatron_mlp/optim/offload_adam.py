@@ -29,6 +29,7 @@ from megatron_mlp.optim.failover import FailoverStats, take_out_of_service
 from megatron_mlp.optim.host_memory import config_moment_bytes
 from megatron_mlp.optim.kernel_call import AdamKernel, StepInputs
 from megatron_mlp.optim.placement import host_memory_for, placement_tiers, plan_for, warm_subgroups
+from megatron_mlp.optim.placement.chain import check_row
 from megatron_mlp.optim.placement.node import announce_placement
 from megatron_mlp.optim.residency import Residency
 from megatron_mlp.optim.schedule import iteration_order
@@ -40,9 +41,8 @@ from megatron_mlp.optim.transaction import (GRAD_DTYPES, check_flat, check_scale
                                             check_step_count, checked_hyper, merge_range, partial_error,
                                             with_defaults)
 from megatron_mlp.optim.update_in_flight import InFlight, ParamHandOff, Prefetch
-from megatron_mlp.optim.tier_stores import (TierStores, check_tiers_and_sizes, clean_stale_scratch,
-                                            default_engine_factory, default_token_factory)
-from megatron_mlp.tier.free_space import node_snapshot
+from megatron_mlp.optim.tier_stores import (TierStores, default_engine_factory, default_token_factory,
+                                            prepare_tier_paths)
 
 logger = logging.getLogger("megatron_mlp.optim.offload_adam")
 STATE_DICT_FORMAT = "megatron_mlp.OffloadAdam/1"
@@ -64,6 +64,9 @@ class OffloadAdam:
         staging_bytes: host memory the caller holds for this optimizer (pinned gradient and param
             staging, ``host_memory.staging_bytes``): counted in ``--mlp-offload-host-memory``.
         ranks_per_node: processes of the node sharing the tiers (placement model input).
+        placement: this optimizer's row of the placement of several optimizers of this rank
+            (``placement.chain.rank_chain_placement``: a ChainedOptimizer's members share the tiers);
+            None places this optimizer's subgroups alone.
         engine_factory / token_factory: ``spec -> Engine`` / ``(spec, direction) -> token or None``
             (direction 'rw', or 'read' and 'write' for a tier with separate budgets); defaults
             build the real ones from ``config``; tests inject faults through them.
@@ -74,7 +77,8 @@ class OffloadAdam:
     """
 
     def __init__(self, config, group_ranges, param_groups, initial_params=None, *, rank: int = 0,
-                 ranks_per_node: int = 1, engine_factory=None, token_factory=None, staging_bytes: int = 0):
+                 ranks_per_node: int = 1, engine_factory=None, token_factory=None, staging_bytes: int = 0,
+                 placement=None):
         if config.node_memory_bytes:
             config.replace(node_memory_bytes=0)   # planned for another node: the budget must fit this one
         self.config = config
@@ -95,12 +99,12 @@ class OffloadAdam:
 
         # Paths checked (and created) first, crashed jobs' scratch removed: then the node's
         # free-space snapshot, the same on every rank of the node (tier/free_space.py).
-        check_tiers_and_sizes(config, self.plan)   # nothing starts half-configured
-        self.stale_scratch = clean_stale_scratch(config.tiers)
-        rooms = node_snapshot([spec.path for spec in config.tiers], config.job_id, rank)
+        rooms, self.stale_scratch = prepare_tier_paths(config, rank, self.plan)   # nothing starts half-configured
         # This rank's row of the node's placement (plan computes the same), logged with its predicted time.
-        placement = (plan_for(self.plan, config, ranks_per_node, memory=self.host_memory, rooms=rooms, rank=rank)
-                     if len(self.plan) else None)
+        if placement is not None:
+            check_row(placement, self.plan)
+        elif len(self.plan):
+            placement = plan_for(self.plan, config, ranks_per_node, memory=self.host_memory, rooms=rooms, rank=rank)
         tier_of = list(placement.tier_of) if placement is not None else []
         self.predicted_update_s = announce_placement(placement, self.host_memory, rank)
         self.placement_tiers = placement_tiers(config, ranks_per_node, rooms=rooms)   # bandwidths, for the schedule

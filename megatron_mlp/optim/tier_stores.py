@@ -159,6 +159,20 @@ def check_tiers_and_sizes(config, plan) -> list[int]:
     return [c.free_bytes for c in checked.checks]
 
 
+def prepare_tier_paths(config, rank: int, plan=None):
+    """Everything a start does before it places subgroups: the paths checked (and created; with
+    ``plan``, its subgroup size too), crashed jobs' scratch removed, then the node's free-space
+    snapshot (``tier.free_space.node_snapshot``). Returns ``(snapshot, clean_stale_scratch's report)``."""
+    from megatron_mlp.tier.free_space import node_snapshot
+    if plan is not None:
+        check_tiers_and_sizes(config, plan)
+    else:
+        from megatron_mlp.tier.validation import validate_tier_paths
+        validate_tier_paths(config.tiers)
+    stale = clean_stale_scratch(config.tiers)
+    return node_snapshot([spec.path for spec in config.tiers], config.job_id, rank), stale
+
+
 def clean_stale_scratch(tiers) -> dict:
     """Remove scratch dirs of dead owners from earlier (crashed) jobs; report what cannot be proven stale."""
     from megatron_mlp.tier.scratch import clean_stale_scratch as clean_path

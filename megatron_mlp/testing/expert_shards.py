@@ -3,7 +3,8 @@
 With expert parallelism Megatron-Core builds two distributed optimizers per rank (dense params over
 the data-parallel group, expert params over the expert-data-parallel group), and with
 ``--mlp-offload`` each is an OffloadAdam with its own scratch directory on every tier path, sharing
-the rank's host budget split by state size (``megatron/chained.py``). The fault campaign
+the rank's host budget split by state size and one placement of all their subgroups
+(``megatron/chained.py``). The fault campaign
 (``benchmarks/faults.py --layout moe``) drives that layout through this class, which presents the
 two shards as one optimizer over the concatenated flat state: the gradient, ``read_range`` and the
 subgroups are the dense shard's followed by the expert shard's, and a checkpoint holds both.
@@ -25,6 +26,19 @@ def split_budget(config, numels: list[int]) -> list:
                                 host_cache_bytes=share(config.host_cache_bytes, n)) for n in numels]
 
 
+def _one_placement(configs, shard_ranges):
+    """One placement over both shards' subgroups, as ``megatron.chained.place_members`` computes it,
+    and the report of the stale scratch removed before it."""
+    from megatron_mlp.optim.host_memory import config_moment_bytes
+    from megatron_mlp.optim.placement.chain import rank_chain_placement
+    from megatron_mlp.optim.subgroups import SubgroupPlan
+    from megatron_mlp.optim.tier_stores import prepare_tier_paths
+    plans = [SubgroupPlan(ranges, cfg.subgroup_params, config_moment_bytes(cfg))
+             for cfg, ranges in zip(configs, shard_ranges)]
+    rooms, stale = prepare_tier_paths(configs[0], 0)   # crashed runs' scratch removed first
+    return rank_chain_placement(plans, configs, [0] * len(plans), 1, rooms, 0), stale
+
+
 class ExpertShards:
     """The dense and the expert OffloadAdam of one rank, as one optimizer.
 
@@ -41,10 +55,14 @@ class ExpertShards:
         self.offsets = [sum(numels[:k]) for k in range(len(numels))]
         self.numel = sum(numels)
         self.members: list = []
+        configs = split_budget(config, numels)
+        chain, self._stale = _one_placement(configs, [ranges for ranges, _ in shards])
+        rows = chain.rows
         try:
-            for cfg, (ranges, groups), lo, n in zip(split_budget(config, numels), shards, self.offsets, numels):
+            for cfg, (ranges, groups), lo, n, row in zip(configs, shards, self.offsets, numels, rows):
                 init = None if initial_params is None else initial_params[lo:lo + n]
-                self.members.append(OffloadAdam(cfg, ranges, groups, init, engine_factory=engine_factory))
+                self.members.append(OffloadAdam(cfg, ranges, groups, init, engine_factory=engine_factory,
+                                                placement=row))
         except BaseException:
             self.close()
             raise
@@ -87,7 +105,7 @@ class ExpertShards:
 
     @property
     def stale_scratch(self) -> dict:
-        return {"removed": [r for m in self.members for r in m.stale_scratch["removed"]]}
+        return {"removed": self._stale["removed"] + [r for m in self.members for r in m.stale_scratch["removed"]]}
 
     def close(self) -> None:
         for m in self.members:

@@ -143,8 +143,15 @@ def test_the_split_is_announced_at_start(tmp_path, caplog):
         def __init__(self, role, n):
             self.offload_role, self.offload_numel, self.built = role, n, None
 
-        def build_offload(self, config, token_factory=None):
-            self.built = (config, token_factory)
+        def offload_inputs(self, config):
+            return config, 0
+
+        def offload_plan(self, config):
+            from megatron_mlp.optim.subgroups import SubgroupPlan
+            return SubgroupPlan([(0, self.offload_numel)], config.subgroup_params)
+
+        def build_offload(self, config, token_factory=None, placement=None):
+            self.built = (config, token_factory, placement)
 
     members = [Member("dense", 100), Member("expert", 300)]
     with caplog.at_level(logging.INFO, logger="megatron_mlp.megatron.chained"):
@@ -153,3 +160,6 @@ def test_the_split_is_announced_at_start(tmp_path, caplog):
     assert "dense 100 params" in caplog.text and "expert 300 params" in caplog.text
     assert members[0].built[0].host_memory_bytes == 100 << 20 and members[1].built[0].host_memory_bytes == 300 << 20
     assert members[0].built[1] is members[1].built[1] is not None   # one set of tier tokens
+    # One placement over both members' subgroups, each member given its row.
+    assert "one placement over 2 optimizers' 2 subgroups (each alone)" in caplog.text
+    assert [len(m.built[2].tier_of) for m in members] == [1, 1]

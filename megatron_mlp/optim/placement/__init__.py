@@ -8,6 +8,8 @@
 * :mod:`.solve`: :func:`plan_placement`, the assignment of subgroups to tiers;
 * :mod:`.node`: a node's placement, every rank's row from one free-space snapshot (the optimizer's
   and ``plan``'s one call);
+* :mod:`.chain`: one placement over the subgroups of a rank's several optimizers (a ChainedOptimizer's
+  members, which step one after another on the same tiers);
 * :mod:`.simulate`: the step with a full host pool, event by event;
 * :mod:`.report`: the plan as a table;
 * :mod:`.reference`: the model's yardsticks from measured bandwidths (``bench update``'s references);
