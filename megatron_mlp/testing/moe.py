@@ -237,3 +237,53 @@ def _gpt_model(chunk):
     while hasattr(m, "module"):
         m = m.module
     return m
+
+
+def state_pieces_by_global_name(model, opt, spec: TinyMoE) -> dict:
+    """This rank's pieces of the optimizer state: ``{name: [(first element, {"param", "exp_avg",
+    "exp_avg_sq"})]}``, each local expert index made global (``local_experts.<i>`` of EP rank ``e``
+    is expert ``e * experts_per_rank + i``), so that pieces from runs with other EP and DP sizes
+    assemble into the same whole params."""
+    import re
+
+    from megatron.core import parallel_state
+
+    from megatron_mlp.testing.runs import inner_optimizers
+    per_rank = spec.num_moe_experts // spec.expert_parallel if spec.num_moe_experts else 0
+    first = parallel_state.get_expert_model_parallel_rank() * per_rank
+    names = {p: re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{first + int(m.group(1))}.", n)
+             for n, p in model[0].named_parameters()}
+    out: dict = {}
+    for dopt in inner_optimizers(opt):
+        for gbuf_range_maps in dopt.gbuf_ranges:
+            for ranges in gbuf_range_maps.values():
+                for bucket_map in ranges:
+                    for model_param, where in bucket_map["param_map"].items():
+                        t = dopt._get_main_param_and_optimizer_states(model_param)
+                        out.setdefault(names[model_param], []).append(
+                            (where["param"].start, {k: t[k].detach().float().cpu().clone()
+                                                    for k in ("param", "exp_avg", "exp_avg_sq")}))
+    return out
+
+
+def reshard_run(rank, world_size, spec, mlp_config, iters, ckpt_dir, mode, sharding_type, iters_after=0):
+    """mode 'save': train ``iters`` and save (torch_dist, ``sharding_type``, the chain's members
+    without prefixes, as Megatron-LM saves them); 'load': build and load. Then train ``iters_after``.
+    Returns (this rank's ``state_pieces_by_global_name`` at the save or after the load, the losses
+    after it)."""
+    from megatron_mlp.testing.runs import load_checkpoint, save_checkpoint
+
+    model, opt = build(spec, mlp_config)
+    meta = {"distrib_optim_sharding_type": sharding_type, "chained_optim_avoid_prefix": True}
+    module = _gpt_model(model[0])
+    if mode == "save":
+        for i in range(iters):
+            train_step(spec, model, opt, i)
+        save_checkpoint(module.sharded_state_dict(), opt, meta, ckpt_dir, rank)
+    else:
+        loaded = load_checkpoint(module.sharded_state_dict(), opt, meta, ckpt_dir)
+        module.load_state_dict(loaded["model"])
+        opt.load_state_dict(loaded["optimizer"])
+    state = state_pieces_by_global_name(model, opt, spec)
+    after = [train_step(spec, model, opt, iters + i)[0] for i in range(iters_after)]
+    return state, after
