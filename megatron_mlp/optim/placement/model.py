@@ -321,6 +321,8 @@ def at_rates(placement: Placement, tiers: Sequence[PlacementTier]) -> Placement:
     if [t.path for t in tiers] != [t.path for t in placement.tiers]:
         raise ValueError(f"at_rates: tiers {[t.path for t in tiers]} are not the placement's "
                          f"{[t.path for t in placement.tiers]}")
+    if tuple(tiers) == tuple(placement.tiers):
+        return placement   # the same rates: the same times, not ones recomputed in another order
     model = _Model(tiers, placement.ranks_per_node)
     seconds = tuple(model.time(j, r, w) for j, (r, w) in
                     enumerate(zip(placement.tier_read_bytes, placement.tier_write_bytes)))
