@@ -64,9 +64,7 @@ class OffloadAdam:
         staging_bytes: host memory the caller holds for this optimizer (pinned gradient and param
             staging, ``host_memory.staging_bytes``): counted in ``--mlp-offload-host-memory``.
         ranks_per_node: processes of the node sharing the tiers (placement model input).
-        placement: this optimizer's row of the placement of several optimizers of this rank
-            (``placement.chain.rank_chain_placement``: a ChainedOptimizer's members share the tiers);
-            None places this optimizer's subgroups alone.
+        placement: its row of the placement of this rank's several optimizers (``placement.chain``); None: alone.
         engine_factory / token_factory: ``spec -> Engine`` / ``(spec, direction) -> token or None``
             (direction 'rw', or 'read' and 'write' for a tier with separate budgets); defaults
             build the real ones from ``config``; tests inject faults through them.
@@ -97,14 +95,12 @@ class OffloadAdam:
         self.last_step_stats: dict = {}
         self.flush_errors: list[str] = []
 
-        # Paths checked (and created) first, crashed jobs' scratch removed: then the node's
-        # free-space snapshot, the same on every rank of the node (tier/free_space.py).
+        # Paths checked and created, crashed jobs' scratch removed, then the node's free-space snapshot.
         rooms, self.stale_scratch = prepare_tier_paths(config, rank, self.plan)   # nothing starts half-configured
         # This rank's row of the node's placement (plan computes the same), logged with its predicted time.
-        if placement is not None:
-            check_row(placement, self.plan)
-        elif len(self.plan):
+        if placement is None and len(self.plan):
             placement = plan_for(self.plan, config, ranks_per_node, memory=self.host_memory, rooms=rooms, rank=rank)
+        check_row(placement, self.plan)   # one given for a chain must be for these subgroups
         tier_of = list(placement.tier_of) if placement is not None else []
         self.predicted_update_s = announce_placement(placement, self.host_memory, rank)
         self.placement_tiers = placement_tiers(config, ranks_per_node, rooms=rooms)   # bandwidths, for the schedule

@@ -147,9 +147,11 @@ def rank_chain_placement(plans, configs, staging_bytes: Sequence[int], ranks_per
     return place_chain(traffics, tiers, ranks_per_node)
 
 
-def check_row(row: Placement, plan) -> None:
+def check_row(row: Placement | None, plan) -> None:
     """Refuse a row computed for other subgroups than ``plan``'s (the caller's plan and the optimizer's
-    must be built from the same ranges and config)."""
+    must be built from the same ranges and config); None (nothing placed) passes."""
+    if row is None:
+        return
     sizes = tuple(sg.region_bytes for sg in plan)
     if tuple(row.subgroup_bytes) != sizes:
         raise ConfigError(f"placement row for {len(row.subgroup_bytes)} subgroups of {sum(row.subgroup_bytes)} bytes "
