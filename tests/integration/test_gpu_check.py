@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -19,8 +20,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import gpu_check  # noqa: E402
+from gpu_checks.compare import max_ulp_distance, param_agreement  # noqa: E402
 
-CPU_CHECKS = ("d2h_exact", "h2d_exact", "stock_parity", "fp16_skip", "overlap", "grad_dtype", "checkpoint", "trace")
+CPU_CHECKS = ("d2h_exact", "h2d_exact", "stock_parity", "fp16_skip", "overlap", "update_behind", "grad_dtype",
+              "checkpoint", "trace")
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +55,8 @@ def test_the_exactness_checks_run_on_the_cpu_harness_and_are_bitwise(cpu_run):
     assert checks["fp16_skip"]["skipped_mlp"] == checks["fp16_skip"]["skipped_stock"]
     assert checks["grad_dtype"]["fp32_buffer"]["d2h_bytes_per_param"] == 4
     assert checks["grad_dtype"]["fp32_buffer_bf16_transfer"]["d2h_bytes_per_param"] == 2
+    behind = checks["update_behind"]
+    assert behind["bitwise_losses"] and behind["bitwise_params"] and behind["bucket_group_waits"] >= 6
 
 
 def test_the_gpu_only_checks_are_skipped_with_the_reason(cpu_run):
@@ -68,6 +73,7 @@ def test_a_missing_megatron_core_without_wheels_is_a_clear_error(tmp_path):
     (fake_root / "scripts").mkdir(parents=True)
     for name in ("gpu_check.sh", "gpu_check.py"):
         (fake_root / "scripts" / name).write_text((pathlib.Path(ROOT) / "scripts" / name).read_text())
+    shutil.copytree(pathlib.Path(ROOT) / "scripts" / "gpu_checks", fake_root / "scripts" / "gpu_checks")
     bare_python = tmp_path / "python-without-site"
     bare_python.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
     bare_python.chmod(0o755)
@@ -82,10 +88,10 @@ def test_a_missing_megatron_core_without_wheels_is_a_clear_error(tmp_path):
 def test_ulp_distance_orders_negative_and_positive_floats():
     a = torch.tensor([1.0, -1.0, 0.0], dtype=torch.bfloat16)
     b = torch.nextafter(a.float(), torch.tensor(2.0)).bfloat16()   # rounds back: 0 ulps
-    assert gpu_check.max_ulp_distance(a, b) == 0
+    assert max_ulp_distance(a, b) == 0
     up = (a.view(torch.int16) + 1).view(torch.bfloat16)   # one bf16 step away from zero (or up for 0)
-    assert gpu_check.max_ulp_distance(a, up) == 1
-    assert gpu_check.max_ulp_distance(torch.tensor([-0.0]).bfloat16(), torch.tensor([0.0]).bfloat16()) == 0
+    assert max_ulp_distance(a, up) == 1
+    assert max_ulp_distance(torch.tensor([-0.0]).bfloat16(), torch.tensor([0.0]).bfloat16()) == 0
 
 
 def test_params_near_zero_agree_within_the_step_rounding_and_not_beyond():
@@ -93,8 +99,8 @@ def test_params_near_zero_agree_within_the_step_rounding_and_not_beyond():
     stock = {"w": torch.tensor([1e-9, 0.5, -2.0], dtype=torch.bfloat16)}
     close = {"w": torch.tensor([3e-9, 0.5, -2.0], dtype=torch.bfloat16)}   # many ulps, 2e-9 apart
     far = {"w": torch.tensor([1e-9, 0.5078125, -2.0], dtype=torch.bfloat16)}   # 0.5 -> 4 ulps up
-    assert gpu_check.param_agreement(close, stock, lr)["elements_disagreeing"] == 0
-    result = gpu_check.param_agreement(far, stock, lr)
+    assert param_agreement(close, stock, lr)["elements_disagreeing"] == 0
+    result = param_agreement(far, stock, lr)
     assert result["elements_disagreeing"] == 1 and result["worst_element"]["ulps"] >= 2
 
 
