@@ -38,8 +38,8 @@ PERF_VARIANTS = (
     # name, MLP-Offload config overrides (None: not MLP-Offload), Megatron optimizer overrides
     ("stock", None, {}),
     ("mlp_offload", {}, {}),
-    # The update behind the caller, params handed to the next forward bucket by bucket (issue: the
-    # update out of the critical path); Megatron's overlapped grad reduce and param gather with it.
+    # The update behind the caller (--mlp-offload-overlap-io), params handed to the next forward
+    # bucket by bucket; Megatron's overlapped grad reduce and param gather with it.
     ("mlp_offload_update_behind", {"update_behind": True}, {}),
     ("cpu_offload", None, dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
                                overlap_cpu_optimizer_d2h_h2d=False)),
