@@ -149,9 +149,11 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="Run a step's state I/O outside it: its last write-backs complete behind the next "
                         "forward and the next step's first reads start as soon as they allow (within "
                         "--mlp-offload-host-memory); reads of params or state wait for them. Bitwise the "
-                        "serial step; a failed background write-back is raised by the next step. With "
-                        "--overlap-param-gather the kernels too run behind the caller and each bucket "
-                        "group's param all-gather waits only for its own params.")
+                        "serial step; a failed background write-back is raised by the next step. The "
+                        "reduced gradient is copied to the host bucket group by bucket group during "
+                        "backward, as each reduce-scatter is dispatched. With --overlap-param-gather the "
+                        "kernels too run behind the caller and each bucket group's param all-gather waits "
+                        "only for its own params.")
     g.add_argument("--mlp-offload-grad-transfer", choices=GRAD_TRANSFERS, default=_DEFAULTS["grad_transfer"],
                    help="How the reduced gradient shard leaves the GPU. 'auto': in the grad buffer's dtype, "
                         "bitwise what stock Megatron updates with (fp32, 4 bytes/param, under --bf16 unless "

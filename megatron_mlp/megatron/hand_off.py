@@ -15,24 +15,17 @@ from __future__ import annotations
 
 import functools
 
+from megatron_mlp.megatron.early_grads import bucket_groups_with_ranges
+
 
 def hand_params_off_by_bucket(dist_opt) -> int:
     """Wrap ``start_param_sync`` of every bucket group holding a bucket of ``dist_opt``'s buffers;
     returns how many were wrapped and turns the hand-off on in its inner optimizer when any was."""
     inner = dist_opt.optimizer
-    ranges_of: dict[int, list] = {}
-    for seg in dist_opt._segments:   # runs of the flat shard, each inside one bucket
-        bucket = dist_opt.buffers[seg._key[0]].buckets[seg._key[1]]
-        ranges_of.setdefault(id(bucket), []).append((seg.flat_start, seg.flat_end))
     wrapped = 0
-    for chunk in dist_opt.model_chunks:
-        groups = list(getattr(chunk, "bucket_groups", ()) or ()) + \
-            list(getattr(chunk, "expert_parallel_bucket_groups", ()) or ())
-        for group in groups:
-            ranges = [r for bucket in group.buckets for r in ranges_of.get(id(bucket), ())]
-            if ranges:
-                group.start_param_sync = _waiting_for(group.start_param_sync, inner, ranges)
-                wrapped += 1
+    for group, ranges in bucket_groups_with_ranges(dist_opt):
+        group.start_param_sync = _waiting_for(group.start_param_sync, inner, ranges)
+        wrapped += 1
     inner.hand_off = wrapped > 0
     return wrapped
 

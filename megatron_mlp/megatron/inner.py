@@ -106,6 +106,9 @@ class OffloadInner:
         self._param_events: list = []      # (start, end, CUDA event) per H2D copy of this step
         # Buckets handed their params, and of those, how many while the update's kernels still ran.
         self.bucket_waits = [0, 0]
+        # The gradient copied during backward, bucket group by bucket group (megatron/early_grads.py);
+        # set by copy_grads_during_backward.
+        self.early_grads = None
         _log_grad_transfer(grad_dtype, self.transfer_dtype, numel, grad_transfer)
 
     @property
@@ -141,13 +144,26 @@ class OffloadInner:
 
     def _step(self):
         t0 = time.perf_counter()
+        early = self.early_grads
+        if early is not None and early.update_failed:   # found by the first copy during backward
+            early.forget()
+            return None
         if not self._wait_for_update():
             return None
-        self._timing = {"h2d": []}
         self._param_events = []
         hand_off = self.hand_off and hasattr(self.offload, "wait_for_params")
         with phase("grad-d2h"):
-            self._start_grad_copies(self._grad_chunks())
+            if early is not None and early.complete():
+                # Copied during backward but for the params Megatron edits after the reduction.
+                self._start_grad_copies(early.late_ranges, keep=True)
+                early.steps_early += 1
+            else:
+                self._timing = {"h2d": []}
+                self._start_grad_copies(self._grad_chunks())
+                if early is not None:
+                    early.steps_recopied += 1
+            if early is not None:
+                early.forget()
         t1 = time.perf_counter()
         waited = [0.0]
 
@@ -193,6 +209,38 @@ class OffloadInner:
                            "bytes_d2h": self._grads_host.numel() * self._grads_host.element_size(),
                            "bytes_h2d": self._params_host.numel() * self._params_host.element_size()}
         return None
+
+    def copy_grads_early(self, ranges, handle) -> None:
+        """Copy ``ranges`` of the reduced gradient shard to the host once the collective behind
+        ``handle`` (None: already done) has reduced them (megatron/early_grads.py). The first copy
+        of an iteration waits for the last update, which reads the staging buffer until it ends."""
+        early = self.early_grads
+        if not early.open:
+            early.open = True
+            if not self._wait_for_update():
+                early.update_failed = True   # the step is not applied, as in the serial path
+            self._timing = {"h2d": []}
+            self._grad_events = []
+        if early.update_failed:
+            return
+        if not self._cuda:
+            if handle is not None:
+                handle.wait()
+            self._start_grad_copies(ranges, keep=True)
+        else:
+            main = torch.cuda.current_stream()
+            with torch.cuda.stream(self._d2h_stream):
+                self._d2h_stream.wait_stream(main)
+                if handle is not None:
+                    handle.wait()   # NCCL: this stream waits for the collective, the host does not
+                self._start_grad_copies(ranges, keep=True)
+        early.copied.update(ranges)
+
+    def forget_early_grads(self) -> None:
+        """A new iteration begins: what the last backward copied is not this one's gradient."""
+        if self.early_grads is not None and self.early_grads.open:
+            self._wait_for_grads(0, self._numel)
+            self.early_grads.forget()
 
     def _wait_for_update(self) -> bool:
         """Under --mlp-offload-overlap-io the last step's write-backs ran behind forward and
@@ -298,10 +346,12 @@ class OffloadInner:
         plan = self.offload.plan
         return [(plan[i].start, plan[i].end) for i in self.offload.next_order()]
 
-    def _start_grad_copies(self, chunks: list[tuple[int, int]]) -> None:
+    def _start_grad_copies(self, chunks: list[tuple[int, int]], keep: bool = False) -> None:
         """Copy the reduced gradient shard into the host staging buffer, chunk by chunk (on the
-        D2H side stream on a GPU, each chunk followed by an event; synchronously otherwise)."""
-        self._grad_events = []
+        D2H side stream on a GPU, each chunk followed by an event; synchronously otherwise).
+        ``keep``: add to this step's copies (those made during backward) instead of starting anew."""
+        if not keep:
+            self._grad_events = []
         if not self._cuda:
             for start, end in chunks:
                 t0 = time.perf_counter()
@@ -312,7 +362,7 @@ class OffloadInner:
             return
         self._d2h_stream.wait_stream(torch.cuda.current_stream())   # the gradients are reduced
         with torch.cuda.stream(self._d2h_stream):
-            self._timing["d2h_start"] = self._record_event(self._d2h_stream)
+            self._timing.setdefault("d2h_start", self._record_event(self._d2h_stream))
             for start, end in chunks:
                 self._copy_grad_range(start, end)
                 self._grad_events.append((start, end, self._record_event(self._d2h_stream)))

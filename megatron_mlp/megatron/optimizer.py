@@ -105,9 +105,12 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         # optimizer of this call: they share one host budget (chained.finish_build).
         self.optimizer = OffloadInner(torch_groups, self._segments, self._numel, self._grad_dtype,
                                        self._param_dtype, None, grad_transfer=self.mlp_config.grad_transfer)
-        if getattr(self.mlp_config, "overlap_io", False) and getattr(self.ddp_config, "overlap_param_gather", False):
-            from megatron_mlp.megatron.hand_off import hand_params_off_by_bucket
-            hand_params_off_by_bucket(self)   # the update behind the caller, handed out bucket by bucket
+        if getattr(self.mlp_config, "overlap_io", False):
+            from megatron_mlp.megatron.early_grads import copy_grads_during_backward
+            copy_grads_during_backward(self)   # the gradient leaves the device bucket group by bucket group
+            if getattr(self.ddp_config, "overlap_param_gather", False):
+                from megatron_mlp.megatron.hand_off import hand_params_off_by_bucket
+                hand_params_off_by_bucket(self)   # the update behind the caller, handed out bucket by bucket
         type(self)._built.append(self)
 
     @property

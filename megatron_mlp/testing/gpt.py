@@ -25,6 +25,10 @@ class TinyGPT:
     bf16: bool = True
     fp16: bool = False
     seed: int = 1234
+    # Megatron-LM's default (no --untie-embeddings-and-output-weights): under PP the last stage's
+    # output layer is a copy of the first stage's embedding, their gradients summed after the
+    # data-parallel reduction.
+    tied_embeddings: bool = False
 
     @property
     def num_params_estimate(self) -> int:
@@ -92,6 +96,7 @@ def build_model(spec: TinyGPT, *, grad_reduce_in_fp32: bool = False, bucket_size
     )
     model = GPTModel(config=tconf, transformer_layer_spec=get_gpt_layer_local_spec(),
                      vocab_size=spec.vocab_size, max_sequence_length=spec.seq_length,
+                     share_embeddings_and_output_weights=spec.tied_embeddings,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage())
     if on_gpu():

@@ -56,12 +56,25 @@ def train(rank, world_size, spec, tp, mlp_config, iters, grad_reduce_in_fp32=Fal
     if overlap_param_gather:
         for chunk in model:
             chunk.start_param_sync(force_sync=True)
-    params = gpt.model_params(model)
-    waits = [getattr(getattr(o, "optimizer", None), "bucket_waits", None) for o in inner_optimizers(opt)]
-    if any(w for w in waits):   # MLP-Offload's bucket-by-bucket hand-off (megatron/hand_off.py) ran
-        params["__bucket_waits__"] = torch.tensor([sum(w[i] for w in waits if w) for i in (0, 1)])
+    params = _with_copy_figures(gpt.model_params(model), opt)
     params["__skipped_steps__"] = torch.tensor(sum(skipped))
     return losses, params
+
+
+def _with_copy_figures(params: dict, opt) -> dict:
+    """``params`` plus, where they ran, MLP-Offload's bucket-by-bucket hand-off
+    (``__bucket_waits__``: bucket groups handed their params, of those while the update ran;
+    megatron/hand_off.py) and its gradient copies during backward (``__early_grad_steps__``: steps
+    that used them, steps that copied everything again; megatron/early_grads.py)."""
+    inners = [getattr(o, "optimizer", None) for o in inner_optimizers(opt)]
+    waits = [getattr(i, "bucket_waits", None) for i in inners]
+    if any(w for w in waits):
+        params["__bucket_waits__"] = torch.tensor([sum(w[i] for w in waits if w) for i in (0, 1)])
+    early = [e for e in (getattr(i, "early_grads", None) for i in inners) if e is not None]
+    if early:
+        params["__early_grad_steps__"] = torch.tensor([sum(e.steps_early for e in early),
+                                                       sum(e.steps_recopied for e in early)])
+    return params
 
 
 def train_pipeline(rank, world_size, spec, pp, mlp_config, iters):
@@ -71,7 +84,7 @@ def train_pipeline(rank, world_size, spec, pp, mlp_config, iters):
 
     model, opt = build(spec, 1, mlp_config, pp=pp)
     losses = [gpt.pipeline_train_step(spec, model, opt, i) for i in range(iters)]
-    return losses, gpt.model_params(model)
+    return losses, _with_copy_figures(gpt.model_params(model), opt)
 
 
 def device_state_report(rank, world_size, spec, tp, mlp_config, iters, inner_factory=None):

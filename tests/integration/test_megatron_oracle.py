@@ -75,24 +75,35 @@ def test_losses_and_params_bitwise_equal_stock_when_bf16_grad_buffer(tmp_path, t
 
 
 @REAL
-@pytest.mark.parametrize("scenario", ["dp2", "tp2", "pp2", "fp16-skips"])
+@pytest.mark.parametrize("scenario", ["dp2", "tp2", "pp2", "pp2-tied-embeddings", "fp16-skips"])
 def test_bitwise_equal_stock_when_state_io_runs_outside_the_step(tmp_path, scenario):
     """--mlp-offload-overlap-io: every subgroup is read and written back every step (no cache, no
     warm buffers, two tiers), the last write-backs run behind the next forward and the next step's
     first reads start behind it; losses and params stay bitwise stock's, with clipping active,
-    under TP and PP = 2 and with fp16 loss scaling that skips steps."""
+    under TP and PP = 2 and with fp16 loss scaling that skips steps. The gradient left the
+    device during backward, bucket group by bucket group, in every applied step; what Megatron
+    edits after the reduction (the embedding tied across pipeline stages) is copied at the step
+    (megatron/early_grads.py)."""
     config = _config(tmp_path, num_tiers=2, subgroup_params=4096, warm_buffers=False, overlap_io=True)
-    if scenario == "pp2":
-        _assert_bitwise(run_distributed(train_pipeline, 2, SPEC, 2, config, ITERS),
-                        run_distributed(train_pipeline, 2, SPEC, 2, None, ITERS))
+    skipped = 0
+    if scenario.startswith("pp2"):
+        spec = gpt.TinyGPT(tied_embeddings=scenario.endswith("tied-embeddings"))
+        ours = run_distributed(train_pipeline, 2, spec, 2, config, ITERS)
+        _assert_bitwise(ours, run_distributed(train_pipeline, 2, spec, 2, None, ITERS))
     elif scenario == "fp16-skips":
         spec, overrides = gpt.TinyGPT(bf16=False, fp16=True), {"initial_loss_scale": 2.0 ** 20}
         stock = run_distributed(train, 2, spec, 1, None, ITERS, False, None, overrides)
-        assert int(stock[0][1]["__skipped_steps__"]) >= 1
-        _assert_bitwise(run_distributed(train, 2, spec, 1, config, ITERS, False, None, overrides), stock)
+        skipped = int(stock[0][1]["__skipped_steps__"])
+        assert skipped >= 1
+        ours = run_distributed(train, 2, spec, 1, config, ITERS, False, None, overrides)
+        _assert_bitwise(ours, stock)
     else:
         tp = 2 if scenario == "tp2" else 1
-        _assert_bitwise(run_distributed(train, 2, SPEC, tp, config, ITERS), _stock(tp))
+        ours = run_distributed(train, 2, SPEC, tp, config, ITERS)
+        _assert_bitwise(ours, _stock(tp))
+    for _, params in ours:
+        assert params["__early_grad_steps__"].tolist() == [ITERS - skipped, 0], \
+            "every applied step should use the gradient copied during backward"
 
 
 @REAL
@@ -109,6 +120,8 @@ def test_bitwise_equal_stock_when_params_are_handed_to_the_next_forward_bucket_b
     for _, params in ours:
         waits, during_update = params["__bucket_waits__"].tolist()
         assert waits >= ITERS, "the bucket groups' all-gathers did not wait for their params"
+        # The reduce-scatters ran asynchronously (--overlap-grad-reduce): each copy waited for its own.
+        assert params["__early_grad_steps__"].tolist() == [ITERS, 0]
         print(f"bucket groups handed their params: {waits}, {during_update} of them while the update ran")
 
 
