@@ -19,7 +19,7 @@ from megatron_mlp.errors import ConfigError
 from megatron_mlp.tier.spec import TierSpec, parse_tier_paths
 from megatron_mlp.units import format_size
 
-ORDER_POLICIES = ("alternate", "ascending")
+ORDER_POLICIES = ("alternate", "ascending", "forward")
 GRAD_TRANSFERS = ("auto", "bf16")
 MOMENT_DTYPES = ("fp32", "bf16")
 """What the tiers store Adam's moments in (the param, the master copy, is fp32 either way)."""
@@ -131,7 +131,13 @@ class MLPOffloadConfig:
     tokens_per_tier: int = 1
     """--mlp-offload-tokens-per-tier: processes of a node doing I/O on one tier at a time."""
     order: str = "alternate"
-    """--mlp-offload-order: 'alternate' (ascending/descending per iteration) or 'ascending'."""
+    """--mlp-offload-order: 'alternate' (ascending/descending per iteration), or a fixed order:
+    'ascending', or 'forward' (the order Megatron's next forward all-gathers the params in,
+    ``forward_order``). A fixed order's host cache keeps the subgroups it ends with for good (a
+    static keep-set: as many hits per step as the alternating order's cache)."""
+    forward_order: tuple = ()
+    """Subgroup indices in the order the next forward needs their params (``order='forward'``): set
+    by the Megatron integration from its bucket groups (megatron/hand_off.py), not a flag."""
     backend: str = "auto"
     """--mlp-offload-io-backend: 'auto', 'io_uring' or 'threads'."""
     block_bytes: int = DEFAULT_IO_BLOCK_BYTES
@@ -264,6 +270,8 @@ class MLPOffloadConfig:
                 "largest task)")
         if self.order not in ORDER_POLICIES:
             raise ConfigError(f"--mlp-offload-order: {self.order!r} is not one of {', '.join(ORDER_POLICIES)}")
+        if self.forward_order and sorted(self.forward_order) != list(range(len(self.forward_order))):
+            raise ConfigError(f"forward_order {self.forward_order!r} is not a permutation of the subgroup indices")
         if self.grad_transfer not in GRAD_TRANSFERS:
             raise ConfigError(f"--mlp-offload-grad-transfer: {self.grad_transfer!r} is not one of "
                               f"{', '.join(GRAD_TRANSFERS)}")

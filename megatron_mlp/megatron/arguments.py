@@ -91,7 +91,10 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         f"{MAX_TOKENS_PER_TIER}).")
     g.add_argument("--mlp-offload-order", type=str, default=_DEFAULTS["order"], choices=ORDER_POLICIES,
                    help="Subgroup order: 'alternate' (ascending, then descending, so the subgroups "
-                        "updated last are still cached) or 'ascending'.")
+                        "updated last are still cached), or a fixed 'ascending' or 'forward' (the order "
+                        "the next forward all-gathers the params in: with --mlp-offload-overlap-io and "
+                        "--overlap-param-gather each bucket's params are ready in the order it needs "
+                        "them); a fixed order's cache keeps the subgroups the order ends with.")
     g.add_argument("--mlp-offload-io-backend", type=str, default=_DEFAULTS["backend"], choices=BACKENDS,
                    help="I/O backend: 'auto' picks io_uring where the kernel allows it, else threads.")
     g.add_argument("--mlp-offload-io-block-size", type=str, default=format_size(_DEFAULTS["block_bytes"]),

@@ -30,6 +30,24 @@ def hand_params_off_by_bucket(dist_opt) -> int:
     return wrapped
 
 
+def forward_order(dist_opt, plan) -> tuple[int, ...]:
+    """``plan``'s subgroup indices in the order Megatron's next forward all-gathers their params
+    (``--mlp-offload-order forward``): each subgroup at the first bucket group that needs it. The
+    forward dispatches a chunk's bucket groups last to first (``next_param_gather_bucket_group``),
+    chunk by chunk; a subgroup often holds params of several layers (the small no-weight-decay
+    group, biases and norms of every layer, is needed by the very first bucket group)."""
+    ranges_of = {id(group): ranges for group, ranges in bucket_groups_with_ranges(dist_opt)}
+    first_need: dict[int, tuple[int, int]] = {}
+    for c, chunk in enumerate(dist_opt.model_chunks):
+        for chain in (getattr(chunk, "bucket_groups", ()) or (), getattr(chunk, "expert_parallel_bucket_groups", ()) or ()):
+            for position, group in enumerate(reversed(list(chain))):
+                for start, end in ranges_of.get(id(group), ()):
+                    for sg in plan.overlapping(start, end):
+                        first_need[sg.index] = min(first_need.get(sg.index, (c, position)), (c, position))
+    never = (len(dist_opt.model_chunks), 0)
+    return tuple(sorted(range(len(plan)), key=lambda i: (first_need.get(i, never), i)))
+
+
 def _waiting_for(start_param_sync, inner, ranges):
     @functools.wraps(start_param_sync)
     def start(*args, **kwargs):

@@ -129,6 +129,9 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         and the host bytes its pinned staging takes (counted in ``--mlp-offload-host-memory``)."""
         if mlp_config.moment_dtype != self._moment_dtype:
             mlp_config = mlp_config.replace(moment_dtype=self._moment_dtype)
+        if mlp_config.order == "forward":   # this optimizer's own subgroups, in the next forward's order
+            from megatron_mlp.megatron.hand_off import forward_order
+            mlp_config = mlp_config.replace(forward_order=forward_order(self, self.offload_plan(mlp_config)))
         from megatron_mlp.optim.host_memory import staging_bytes
         staging = staging_bytes(self._numel, transfer_dtype(self._grad_dtype, mlp_config.grad_transfer),
                                 self._param_dtype)

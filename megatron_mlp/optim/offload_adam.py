@@ -187,7 +187,7 @@ class OffloadAdam:
         """The subgroup indices in the order the next ``step`` updates them (a caller copying the
         gradient in per subgroup issues its copies in this order; see ``grads_ready``)."""
         return iteration_order(len(self.plan), self._iteration, order=self.config.order,
-                               cache_order=self.config.cache_order)
+                               cache_order=self.config.cache_order, forward_order=self.config.forward_order)
 
     def step(self, grads: torch.Tensor, params_out: torch.Tensor | None = None, *,
              inv_loss_scale: float = 1.0, clip_coef: float = 1.0, on_subgroup_done=None,

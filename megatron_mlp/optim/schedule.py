@@ -9,14 +9,25 @@ pipeline may also deviate from this order to work on whatever is ready (see ``Of
 """
 from __future__ import annotations
 
+from megatron_mlp.errors import ConfigError
 
-def iteration_order(num_subgroups: int, iteration: int, *, order: str, cache_order: bool) -> list[int]:
+
+def iteration_order(num_subgroups: int, iteration: int, *, order: str, cache_order: bool,
+                    forward_order: tuple = ()) -> list[int]:
     """Subgroup indices for ``iteration`` (0-based) under ``--mlp-offload-order``.
 
-    'alternate' runs ascending on even iterations and descending on odd ones; 'ascending' (or
-    ``cache_order=False``, the ablation) always runs ascending.
+    'alternate' runs ascending on even iterations and descending on odd ones; 'ascending' always
+    ascending; 'forward' always ``forward_order``; ``cache_order=False`` (the ablation) ascending.
+
+    Raises:
+        ConfigError: 'forward' without an order of ``num_subgroups`` subgroups.
     """
     ascending = list(range(num_subgroups))
+    if order == "forward" and cache_order:
+        if sorted(forward_order) != ascending:
+            raise ConfigError(f"--mlp-offload-order forward: the forward order {tuple(forward_order)!r} is not one "
+                              f"of the {num_subgroups} subgroups (the Megatron integration sets it)")
+        return list(forward_order)
     if order == "alternate" and cache_order and iteration % 2 == 1:
         return ascending[::-1]
     return ascending

@@ -232,3 +232,56 @@ def build_only(rank, world_size, spec, mlp_config, opt_overrides=None, builds=1)
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def train_handing_off(rank, world_size, spec, tp, mlp_config, iters, first_bucket_timeout_s=10.0):
+    """``train`` with ``--overlap-param-gather`` and the update behind the caller, watching the
+    hand-off: returns (losses, params, watch) where ``watch["needs"]`` is, per step but the last, the
+    positions in the update's order of the subgroups each bucket group's all-gather waited for (in
+    the order the next forward dispatched them), and ``watch["first_bucket_first"]`` says, per step
+    but the last, whether the next forward's first bucket group got its params while the update's
+    last subgroup was held back (its hand-off blocked until then, ``first_bucket_timeout_s`` at
+    most): event order, not timing."""
+    import threading
+
+    from megatron_mlp.testing import gpt
+
+    model, opt = build(spec, tp, mlp_config, overlap_param_gather=True)
+    [inner] = [o.optimizer for o in inner_optimizers(opt)]
+    offload = inner.offload
+    watch = {"needs": [], "first_bucket_first": []}
+    first_bucket = threading.Event()
+    wait_for_params, step = inner.wait_for_params, offload.step
+
+    def watched_wait(ranges):
+        wait_for_params(ranges)
+        if watch["needs"]:
+            position = {sg: pos for pos, sg in enumerate(offload.next_order())}
+            watch["needs"][-1].append({position[sg.index] for s, e in ranges for sg in offload.plan.overlapping(s, e)})
+        first_bucket.set()
+
+    def watched_step(*args, on_subgroup_done=None, **kwargs):
+        first_bucket.clear()
+        watch["needs"].append([])
+        finished = [0]
+
+        def done(start, end):
+            finished[0] += 1
+            if finished[0] == len(offload.plan):   # the update's last subgroup (whichever the pipeline took last)
+                watch["first_bucket_first"].append(first_bucket.wait(first_bucket_timeout_s))
+            on_subgroup_done(start, end)
+
+        return step(*args, on_subgroup_done=done, **kwargs)
+
+    inner.wait_for_params, offload.step = watched_wait, watched_step
+    outcomes = [gpt.train_step_outcome(spec, model, opt, i) for i in range(iters)]
+    # No forward follows the last step: release its last subgroup, and keep the forced all-gather
+    # (bucket groups in buffer order, as before a checkpoint save) out of the last step's needs.
+    first_bucket.set()
+    watch["needs"].append([])
+    for chunk in model:
+        chunk.start_param_sync(force_sync=True)
+    watch["needs"].pop()
+    params = gpt.model_params(model)
+    params["__skipped_steps__"] = torch.tensor(sum(not o.ok for o in outcomes))
+    return [o.loss for o in outcomes], params, watch

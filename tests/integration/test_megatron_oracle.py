@@ -126,6 +126,30 @@ def test_bitwise_equal_stock_when_params_are_handed_to_the_next_forward_bucket_b
 
 
 @REAL
+def test_the_forward_order_hands_the_next_forward_its_params_in_the_order_it_needs_them(tmp_path):
+    """--mlp-offload-order forward with the update behind the caller: the update produces the
+    subgroups in the order the next forward's bucket groups need them -- no bucket group waits for
+    a subgroup beyond those it and the groups before it need -- and the first bucket group gets its
+    params while the update's last subgroup is still held back (event order, not timing). With a
+    static keep-set (host cache), losses and params stay bitwise stock's."""
+    from megatron_mlp.testing.runs import train_handing_off
+
+    config = _config(tmp_path, num_tiers=2, subgroup_params=4096, warm_buffers=False, overlap_io=True,
+                     order="forward", host_cache_bytes=2 * 3 * 4 * 4096)
+    stock = run_distributed(train, 2, SPEC, 1, None, ITERS, False, None, None, True)
+    ours = run_distributed(train_handing_off, 2, SPEC, 1, config, ITERS)
+    _assert_bitwise([(losses, params) for losses, params, _ in ours], stock)
+    for _, _, watch in ours:
+        assert len(watch["needs"]) == ITERS
+        for needs in watch["needs"][:-1]:   # the last step has no next forward
+            assert len(needs) > 1
+            for k, positions in enumerate(needs):
+                needed_so_far = set().union(*needs[:k + 1])
+                assert max(positions) < len(needed_so_far), (k, needs)
+        assert watch["first_bucket_first"][:-1] == [True] * (ITERS - 1), watch
+
+
+@REAL
 def test_pipeline_parallel_stages_bitwise_equal_stock(tmp_path):
     """PP=2 through Megatron's pipeline schedule: each stage has its own optimizer and shard, the
     grad norm for clipping spans both stages, and the embedding shared by the first and last stage

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_mlp.config import MLPOffloadConfig
+from megatron_mlp.errors import ConfigError
 from megatron_mlp.optim.offload_adam import OffloadAdam
 from megatron_mlp.optim.reference_adam import ReferenceAdamW
 
@@ -213,6 +214,38 @@ def test_alternating_order_yields_cache_hits_when_the_cache_holds_subgroups(tier
         n = len(opt.plan)
         assert hits == [0, 3, 3, 3]
         assert reads == [n, n - 3, n - 3, n - 3]
+
+
+@pytest.mark.parametrize("order", ["ascending", "forward"])
+def test_a_fixed_order_keeps_a_static_set_with_the_alternating_orders_hits(tier_dirs, order):
+    """A fixed order ('forward': the one Megatron's next forward needs the params in, given by the
+    integration) keeps the subgroups it ends with in the cache for good: from the second step on
+    they are neither read nor written, as many hits per step as the alternating order's cache,
+    and the same arithmetic."""
+    sub = 1024
+    n = 10   # subgroups of RANGES at 1024 elements (each group cut on its own)
+    fixed = (4, 0, 7, 9, 1, 2, 8, 3, 6, 5) if order == "forward" else tuple(range(n))
+    opt, ref = make(tier_dirs, 1, subgroup_params=sub, host_cache_bytes=3 * 3 * 4 * sub, warm_buffers=False,
+                    order=order, forward_order=fixed if order == "forward" else ())
+    with opt:
+        assert len(opt.plan) == n
+        for step in range(4):
+            g = grads_for(step, torch.bfloat16)
+            assert opt.next_order() == list(fixed)
+            opt.step(g)
+            ref.step(g)
+            s = opt.last_step_stats
+            assert s["cache_hits"] == (0 if step == 0 else 3)
+            assert s["tiers"][0]["fetches"] == (n if step == 0 else n - 3)
+            assert s["tiers"][0]["flushes"] == n - 3, "the kept subgroups are never written back"
+        assert_state_equal(opt, ref)
+
+
+def test_the_forward_order_must_be_one_of_the_plans_subgroups(tier_dirs):
+    with pytest.raises(ConfigError, match="not a permutation"):
+        MLPOffloadConfig.from_paths(tier_dirs[0], order="forward", forward_order=(0, 2))
+    with pytest.raises(ConfigError, match="--mlp-offload-order forward: .* not one of the 10 subgroups"):
+        make(tier_dirs, 1, subgroup_params=1024, order="forward", forward_order=(1, 0))   # refused at start
 
 
 def test_working_buffers_carry_the_last_subgroups_into_the_next_step_unwritten(tier_dirs):

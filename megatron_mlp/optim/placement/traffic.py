@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from megatron_mlp.optim.host_memory import HostMemoryPlan, plan_host_memory
 from megatron_mlp.optim.subgroups import SubgroupPlan
+from megatron_mlp.optim.schedule import iteration_order
 
 
 def host_memory_for(plan: SubgroupPlan, config, staging_bytes: int = 0) -> HostMemoryPlan:
@@ -70,6 +71,9 @@ def step_traffic(plan: SubgroupPlan, config, memory: HostMemoryPlan | None = Non
         # Steady state of the alternating order: the cached ends, and the working buffers' subgroups
         # next to them, skip a read or a write each step.
         return StepTraffic(sizes, memory, "alternate", budget, None, warm)
-    # Ascending: the last `slots` subgroups stay in host memory for good and never move.
-    cached = tuple(range(len(sizes) - slots, len(sizes))) if slots else ()
+    # A fixed order: the `slots` subgroups it ends with stay in host memory for good and never move
+    # (a static keep-set: as many hits per step as the alternating order's cache).
+    fixed = iteration_order(len(sizes), 0, order=config.order, cache_order=config.cache_order,
+                            forward_order=config.forward_order)
+    cached = tuple(sorted(fixed[max(0, len(sizes) - slots):])) if slots else ()
     return StepTraffic(sizes, memory, "resident", budget, cached, 0)
