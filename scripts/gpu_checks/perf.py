@@ -41,6 +41,8 @@ PERF_VARIANTS = (
     # The update behind the caller (--mlp-offload-overlap-io), params handed to the next forward
     # bucket by bucket; Megatron's overlapped grad reduce and param gather with it.
     ("mlp_offload_update_behind", {"update_behind": True}, {}),
+    # The same, the update in the order the next forward needs the params (--mlp-offload-order forward).
+    ("mlp_offload_update_behind_forward", {"update_behind": True, "order": "forward"}, {}),
     ("cpu_offload", None, dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
                                overlap_cpu_optimizer_d2h_h2d=False)),
     ("cpu_offload_half", None, dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5,

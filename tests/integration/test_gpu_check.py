@@ -55,8 +55,9 @@ def test_the_exactness_checks_run_on_the_cpu_harness_and_are_bitwise(cpu_run):
     assert checks["fp16_skip"]["skipped_mlp"] == checks["fp16_skip"]["skipped_stock"]
     assert checks["grad_dtype"]["fp32_buffer"]["d2h_bytes_per_param"] == 4
     assert checks["grad_dtype"]["fp32_buffer_bf16_transfer"]["d2h_bytes_per_param"] == 2
-    behind = checks["update_behind"]
-    assert behind["bitwise_losses"] and behind["bitwise_params"] and behind["bucket_group_waits"] >= 6
+    for order, behind in checks["update_behind"]["by_order"].items():   # alternating and forward order
+        assert behind["bitwise_losses"] and behind["bitwise_params"] and behind["bucket_group_waits"] >= 6, order
+    assert set(checks["update_behind"]["by_order"]) == {"alternate", "forward"}
 
 
 def test_the_gpu_only_checks_are_skipped_with_the_reason(cpu_run):
