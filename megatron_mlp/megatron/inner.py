@@ -213,11 +213,12 @@ class OffloadInner:
     def copy_grads_early(self, ranges, handle) -> None:
         """Copy ``ranges`` of the reduced gradient shard to the host once the collective behind
         ``handle`` (None: already done) has reduced them (megatron/early_grads.py). The first copy
-        of an iteration waits for the last update, which reads the staging buffer until it ends."""
+        of an iteration waits for the last update's kernels, which read the staging buffer; its
+        write-backs go on behind backward."""
         early = self.early_grads
         if not early.open:
             early.open = True
-            if not self._wait_for_update():
+            if not self._wait_for_kernels():
                 early.update_failed = True   # the step is not applied, as in the serial path
             self._timing = {"h2d": []}
             self._grad_events = []
@@ -235,6 +236,14 @@ class OffloadInner:
                     handle.wait()   # NCCL: this stream waits for the collective, the host does not
                 self._start_grad_copies(ranges, keep=True)
         early.copied.update(ranges)
+
+    def _wait_for_kernels(self) -> bool:
+        """Return once the update behind the caller has run every kernel (handed out every param);
+        False, as ``_wait_for_update``, when it stopped before and no tier could take the state."""
+        flight = getattr(self.offload, "in_flight", None)
+        if flight is None or not flight.updating or flight.params_ready(0, self._numel):
+            return True
+        return self._wait_for_update()   # it failed: handled as the serial path handles it
 
     def forget_early_grads(self) -> None:
         """A new iteration begins: what the last backward copied is not this one's gradient."""
