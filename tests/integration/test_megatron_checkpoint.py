@@ -78,10 +78,12 @@ def test_resume_continues_like_an_uninterrupted_run_when_saved_and_loaded(tmp_pa
 
 
 @pytest.mark.skipif(_inner() is not None, reason="overlapped I/O is OffloadAdam's; its kernel is not built here")
-def test_resume_with_state_io_outside_the_step_equals_the_serial_run(tmp_path):
-    """--mlp-offload-overlap-io: a save right after a step waits for that step's write-backs (the
-    checkpoint holds the completed step); the resumed run and the uninterrupted one both equal the
-    serial run, state, losses and params bitwise."""
+@pytest.mark.parametrize("order", ["alternate", "forward"])
+def test_resume_with_state_io_outside_the_step_equals_the_serial_run(tmp_path, order):
+    """--mlp-offload-overlap-io (the gradient copied during backward too): a save right after a
+    step waits for that step's write-backs (the checkpoint holds the completed step); the resumed
+    run and the uninterrupted one both equal the serial run, state, losses and params bitwise --
+    also with the subgroups in the next forward's order (--mlp-offload-order forward)."""
     ckpt = str(tmp_path / "ckpt")
 
     def cfg(name, **kw):
@@ -89,9 +91,10 @@ def test_resume_with_state_io_outside_the_step_equals_the_serial_run(tmp_path):
 
     serial = run_distributed(checkpoint_run, 2, SPEC, 1, cfg("s"), 5, 5, str(tmp_path / "ckpt-s"), "save", BUCKET,
                              None)
-    saved = run_distributed(checkpoint_run, 2, SPEC, 1, cfg("a", overlap_io=True), 5, 5, ckpt, "save", BUCKET, None)
-    resumed = run_distributed(checkpoint_run, 2, SPEC, 1, cfg("b", overlap_io=True), 5, 5, ckpt, "load", BUCKET,
-                              None)
+    saved = run_distributed(checkpoint_run, 2, SPEC, 1, cfg("a", overlap_io=True, order=order), 5, 5, ckpt, "save",
+                            BUCKET, None)
+    resumed = run_distributed(checkpoint_run, 2, SPEC, 1, cfg("b", overlap_io=True, order=order), 5, 5, ckpt, "load",
+                              BUCKET, None)
     for (l_0, p_0, st_0), (l_s, p_s, st_s), (l_r, p_r, st_r) in zip(serial, saved, resumed):
         _state_equal(st_0, st_s)
         _state_equal(st_0, st_r)
