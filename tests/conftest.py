@@ -67,9 +67,43 @@ SESSION_ENV = "MLP_TEST_SESSION"
 
 
 def pytest_sessionstart(session):
+    import time
     import uuid
 
     os.environ[SESSION_ENV] = uuid.uuid4().hex
+    session.config._mlp_started = time.time()
+
+
+def stale_multiprocessing_dirs(since: float, tmp: str | None = None) -> list[str]:
+    """multiprocessing's ``pymp-*`` directories in the temp dir made since ``since`` whose listener
+    sockets nobody accepts on: left by processes the suite killed on purpose (SIGKILL tests),
+    which cannot remove their own. A live one (another program's) answers and is kept."""
+    import glob
+    import socket
+    import tempfile
+
+    stale = []
+    for d in glob.glob(os.path.join(tmp or tempfile.gettempdir(), "pymp-*")):
+        try:
+            st = os.lstat(d)
+            if st.st_uid != os.getuid() or st.st_mtime < since or not os.path.isdir(d):
+                continue
+            names = os.listdir(d)
+        except OSError:
+            continue
+        if not all(n.startswith("listener-") for n in names):
+            continue
+        live = False
+        for n in names:
+            with socket.socket(socket.AF_UNIX) as sock:
+                try:
+                    sock.connect(os.path.join(d, n))
+                    live = True
+                except OSError:
+                    pass
+        if not live:
+            stale.append(d)
+    return stale
 
 
 def _session_processes(marker: str) -> list:
@@ -135,6 +169,9 @@ def pytest_sessionfinish(session, exitstatus):
     if not marker:
         return
     names = leftover_processes(marker)
+    import shutil
+    for d in stale_multiprocessing_dirs(getattr(session.config, "_mlp_started", 0.0)):
+        shutil.rmtree(d, ignore_errors=True)
     if names:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         lines = ["processes started by the test session outlived it (killed now):"] + [f"  {n}" for n in names]

@@ -31,11 +31,19 @@ def test_uses_multiprocessing_and_cleans_up():
     p.join()
 '''
 
+KILLED_MANAGER = '''
+import multiprocessing as mp, os, signal
+def test_kills_a_manager_that_cannot_clean_up():
+    manager = mp.get_context("spawn").Manager()
+    os.kill(manager._process.pid, signal.SIGKILL)   # as a crash test kills a rank and its helpers
+    manager._process.join()
+'''
 
-def _run_inner(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
+
+def _run_inner(tmp_path: Path, body: str, **env_extra) -> subprocess.CompletedProcess:
     shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_inner.py").write_text(body)
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env_extra)
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
@@ -60,6 +68,33 @@ def test_session_fails_and_stops_the_process_when_a_test_leaves_one_running(tmp_
 def test_session_passes_when_its_multiprocessing_helpers_are_the_only_processes_left(tmp_path):
     proc = _run_inner(tmp_path, TIDY)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_session_removes_the_multiprocessing_dirs_of_processes_killed_on_purpose(tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    proc = _run_inner(tmp_path, KILLED_MANAGER, TMPDIR=str(temp))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not list(temp.glob("pymp-*")), "a killed manager's socket dir outlived the session"
+
+
+def test_a_multiprocessing_dir_someone_still_listens_on_is_kept(tmp_path):
+    import socket
+    import time
+
+    sys.path.insert(0, str(TESTS))
+    from conftest import stale_multiprocessing_dirs
+
+    live, dead = tmp_path / "pymp-live", tmp_path / "pymp-dead"
+    live.mkdir()
+    dead.mkdir()
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(live / "listener-a"))
+        server.listen()
+        with socket.socket(socket.AF_UNIX) as gone:
+            gone.bind(str(dead / "listener-b"))   # bound, never listening: what a killed server leaves
+        assert stale_multiprocessing_dirs(time.time() - 60, str(tmp_path)) == [str(dead)]
+        assert stale_multiprocessing_dirs(time.time() + 60, str(tmp_path)) == [], "older than the session: kept"
 
 
 def _save_queue_then_die(pid_file: str) -> None:
