@@ -75,15 +75,20 @@ def pytest_sessionstart(session):
 
 
 def stale_multiprocessing_dirs(since: float, tmp: str | None = None) -> list[str]:
-    """multiprocessing's ``pymp-*`` directories in the temp dir made since ``since`` whose listener
-    sockets nobody accepts on: left by processes the suite killed on purpose (SIGKILL tests),
-    which cannot remove their own. A live one (another program's) answers and is kept."""
+    """multiprocessing's ``pymp-*`` directories in the temp dir made since ``since`` that hold
+    listener sockets and nothing else, none of which accepts a connection: left by servers the
+    suite killed on purpose (SIGKILL tests), which cannot remove their own. A live one answers and
+    is kept; so are one without a socket and this process's own (removed at its exit)."""
     import glob
+    import multiprocessing
     import socket
     import tempfile
 
+    own = multiprocessing.current_process()._config.get("tempdir")   # removed at this process's exit
     stale = []
     for d in glob.glob(os.path.join(tmp or tempfile.gettempdir(), "pymp-*")):
+        if own is not None and os.path.abspath(d) == os.path.abspath(own):
+            continue
         try:
             st = os.lstat(d)
             if st.st_uid != os.getuid() or st.st_mtime < since or not os.path.isdir(d):
@@ -91,7 +96,7 @@ def stale_multiprocessing_dirs(since: float, tmp: str | None = None) -> list[str
             names = os.listdir(d)
         except OSError:
             continue
-        if not all(n.startswith("listener-") for n in names):
+        if not names or not all(n.startswith("listener-") for n in names):
             continue
         live = False
         for n in names:

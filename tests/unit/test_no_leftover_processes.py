@@ -40,10 +40,14 @@ def test_kills_a_manager_that_cannot_clean_up():
 '''
 
 
-def _run_inner(tmp_path: Path, body: str, **env_extra) -> subprocess.CompletedProcess:
+def _run_inner(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
+    """A pytest session of its own over ``body``, with a temp dir of its own (its session-end
+    clean-up must never reach this session's multiprocessing dirs)."""
     shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_inner.py").write_text(body)
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env_extra)
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               TMPDIR=str(tmp_path / "tmp"))
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
@@ -71,11 +75,9 @@ def test_session_passes_when_its_multiprocessing_helpers_are_the_only_processes_
 
 
 def test_session_removes_the_multiprocessing_dirs_of_processes_killed_on_purpose(tmp_path):
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    proc = _run_inner(tmp_path, KILLED_MANAGER, TMPDIR=str(temp))
+    proc = _run_inner(tmp_path, KILLED_MANAGER)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert not list(temp.glob("pymp-*")), "a killed manager's socket dir outlived the session"
+    assert not list((tmp_path / "tmp").glob("pymp-*")), "a killed manager's socket dir outlived the session"
 
 
 def test_a_multiprocessing_dir_someone_still_listens_on_is_kept(tmp_path):
@@ -85,9 +87,9 @@ def test_a_multiprocessing_dir_someone_still_listens_on_is_kept(tmp_path):
     sys.path.insert(0, str(TESTS))
     from conftest import stale_multiprocessing_dirs
 
-    live, dead = tmp_path / "pymp-live", tmp_path / "pymp-dead"
-    live.mkdir()
-    dead.mkdir()
+    live, dead, empty = tmp_path / "pymp-live", tmp_path / "pymp-dead", tmp_path / "pymp-empty"
+    for d in (live, dead, empty):
+        d.mkdir()   # empty: a running process's own temp dir, which holds no socket
     with socket.socket(socket.AF_UNIX) as server:
         server.bind(str(live / "listener-a"))
         server.listen()
