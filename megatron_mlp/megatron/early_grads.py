@@ -80,6 +80,13 @@ def copy_grads_during_backward(dist_opt) -> int:
     return wrapped
 
 
+def bucket_group_chains(chunk) -> tuple[list, list]:
+    """A DDP model chunk's bucket groups: the dense ones and the expert-parallel ones, each in
+    Megatron's order (the forward all-gathers each chain last to first)."""
+    return (list(getattr(chunk, "bucket_groups", ()) or ()),
+            list(getattr(chunk, "expert_parallel_bucket_groups", ()) or ()))
+
+
 def bucket_groups_with_ranges(dist_opt):
     """(bucket group, [(start, end), ...] of ``dist_opt``'s flat shard inside its buckets) for every
     bucket group of its model chunks that holds any of the shard."""
@@ -88,12 +95,11 @@ def bucket_groups_with_ranges(dist_opt):
         bucket = dist_opt.buffers[seg._key[0]].buckets[seg._key[1]]
         ranges_of.setdefault(id(bucket), []).append((seg.flat_start, seg.flat_end))
     for chunk in dist_opt.model_chunks:
-        groups = list(getattr(chunk, "bucket_groups", ()) or ()) + \
-            list(getattr(chunk, "expert_parallel_bucket_groups", ()) or ())
-        for group in groups:
-            ranges = [r for bucket in group.buckets for r in ranges_of.get(id(bucket), ())]
-            if ranges:
-                yield group, ranges
+        for chain in bucket_group_chains(chunk):
+            for group in chain:
+                ranges = [r for bucket in group.buckets for r in ranges_of.get(id(bucket), ())]
+                if ranges:
+                    yield group, ranges
 
 
 def _copying_after(start_grad_sync, group, inner, ranges):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from megatron_mlp.megatron.early_grads import bucket_groups_with_ranges
+from megatron_mlp.megatron.early_grads import bucket_group_chains, bucket_groups_with_ranges
 
 
 def hand_params_off_by_bucket(dist_opt) -> int:
@@ -39,8 +39,8 @@ def forward_order(dist_opt, plan) -> tuple[int, ...]:
     ranges_of = {id(group): ranges for group, ranges in bucket_groups_with_ranges(dist_opt)}
     first_need: dict[int, tuple[int, int]] = {}
     for c, chunk in enumerate(dist_opt.model_chunks):
-        for chain in (getattr(chunk, "bucket_groups", ()) or (), getattr(chunk, "expert_parallel_bucket_groups", ()) or ()):
-            for position, group in enumerate(reversed(list(chain))):
+        for chain in bucket_group_chains(chunk):
+            for position, group in enumerate(reversed(chain)):
                 for start, end in ranges_of.get(id(group), ()):
                     for sg in plan.overlapping(start, end):
                         first_need[sg.index] = min(first_need.get(sg.index, (c, position)), (c, position))
