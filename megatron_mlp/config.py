@@ -193,6 +193,15 @@ class MLPOffloadConfig:
     bf16 on the GPU right before the copy (one rounding after fp32 accumulation and reduction):
     half the bytes leave the GPU and sit in host memory. Megatron-LM's --bf16 reduces in fp32
     unless --grad-reduce-in-bf16 is given."""
+    device_memory_bytes: int = 0
+    """--mlp-offload-device-memory SIZE: device memory per rank for a share of the optimizer state,
+    the fastest level of the virtual tier. The subgroups kept there (the shard's last ones, as many
+    as fit and as balance the two updates by the placement model: megatron/device_split.py) keep
+    their fp32 master and moments on the device and are stepped there by torch's AdamW, while the
+    host steps the rest. 0 (with ``device_memory_fraction`` 0): everything on the host."""
+    device_memory_fraction: float = 0.0
+    """--mlp-offload-device-memory FRACTION (a number in (0, 1] without a unit): the same share given
+    as a fraction of this rank's optimizer state instead of a size."""
     moment_dtype: str = "fp32"
     """No flag of its own: Megatron's --use-precision-aware-optimizer with --exp-avg-dtype bf16 and
     --exp-avg-sq-dtype bf16 sets 'bf16' (megatron/arguments.py reads them where the optimizer is
@@ -240,6 +249,13 @@ class MLPOffloadConfig:
             raise ConfigError(f"--mlp-offload-host-memory: {self.host_memory_bytes} is the whole budget, cache "
                               f"included; host_cache_bytes ({self.host_cache_bytes}) cannot be given with it")
         _non_negative("node_memory_bytes", self.node_memory_bytes)
+        _non_negative("--mlp-offload-device-memory", self.device_memory_bytes)
+        if not 0.0 <= self.device_memory_fraction <= 1.0:
+            raise ConfigError(f"--mlp-offload-device-memory: a fraction of the state must lie in [0, 1], got "
+                              f"{self.device_memory_fraction}")
+        if self.device_memory_bytes and self.device_memory_fraction:
+            raise ConfigError(f"--mlp-offload-device-memory: give a size ({self.device_memory_bytes} bytes) or a "
+                              f"fraction ({self.device_memory_fraction}), not both")
         memory = self.node_memory_bytes or _physical_memory_bytes()
         machine = "the node's" if self.node_memory_bytes else "this machine's"
         for name, value in (("--mlp-offload-host-memory", self.host_memory_bytes),

@@ -157,6 +157,14 @@ def add_mlp_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "backward, as each reduce-scatter is dispatched. With --overlap-param-gather the "
                         "kernels too run behind the caller and each bucket group's param all-gather waits "
                         "only for its own params.")
+    g.add_argument("--mlp-offload-device-memory", type=str, default="0", metavar="SIZE|FRACTION",
+                   help="Keep a share of this rank's optimizer state in device memory, the fastest level of "
+                        "the virtual tier: a size (e.g. 4GB, 12 bytes per param kept there) or a fraction of "
+                        "the state (e.g. 0.5). The shard's last subgroups, as many as fit and as balance the "
+                        "two updates by the placement model, keep their fp32 master and moments on the GPU "
+                        "and are stepped there by torch's AdamW while the host steps the rest; their "
+                        "gradients and params never cross the bus. Start-up logs the split and both "
+                        "predicted update times. 0 (default): everything on the host.")
     g.add_argument("--mlp-offload-grad-transfer", choices=GRAD_TRANSFERS, default=_DEFAULTS["grad_transfer"],
                    help="How the reduced gradient shard leaves the GPU. 'auto': in the grad buffer's dtype, "
                         "bitwise what stock Megatron updates with (fp32, 4 bytes/param, under --bf16 unless "
@@ -183,6 +191,21 @@ def _size(args, dest: str, flag: str) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     return parse_size(str(value), flag)
+
+
+def _device_memory(value) -> dict:
+    """--mlp-offload-device-memory as config fields: a plain number in (0, 1] is a fraction of the
+    state, anything else a size (a number above 1 without a unit is bytes)."""
+    text = str(value).strip()
+    try:
+        number = float(text)
+    except ValueError:
+        return {"device_memory_bytes": parse_size(text, "--mlp-offload-device-memory")}
+    if 0.0 < number <= 1.0 and not text.isdigit():
+        return {"device_memory_fraction": number}
+    if number == 1.0:
+        return {"device_memory_fraction": 1.0}
+    return {"device_memory_bytes": parse_size(text, "--mlp-offload-device-memory")}
 
 
 def _check_megatron_args(args) -> None:
@@ -263,6 +286,7 @@ def config_from_args(args, ranks_per_node: int | None = None) -> MLPOffloadConfi
         warm_buffers=args.mlp_offload_warm_buffers,
         overlap_io=getattr(args, "mlp_offload_overlap_io", _DEFAULTS["overlap_io"]),
         grad_transfer=getattr(args, "mlp_offload_grad_transfer", _DEFAULTS["grad_transfer"]),
+        **_device_memory(getattr(args, "mlp_offload_device_memory", "0")),
         trace_dir=getattr(args, "mlp_offload_trace", _DEFAULTS["trace_dir"]),
         trace_steps=_trace_steps(args),
         job_id=_job_id(args.mlp_offload_job_id),

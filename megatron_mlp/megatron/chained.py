@@ -114,6 +114,11 @@ def finish_build(members: list, config) -> None:
     members = [m for m in members if not m.is_stub_optimizer]
     if not members:
         return
+    if config.device_memory_bytes or config.device_memory_fraction:
+        from megatron_mlp.megatron.device_split import keep_share_on_device
+        rank_numel = sum(m.offload_numel for m in members)
+        for m in members:   # first: the host budget below is split over what stays on the host
+            keep_share_on_device(m, config, rank_numel)
     numels = [m.offload_numel for m in members]
     configs = split_host_budget(config, numels)
     if len(members) > 1:

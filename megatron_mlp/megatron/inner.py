@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_mlp.errors import TierFailure
+from megatron_mlp.megatron.grad_transfer import log_grad_transfer, transfer_dtype
 from megatron_mlp.observe.metrics import IntervalMetrics
 from megatron_mlp.observe.ranges import phase
 from megatron_mlp.optim.protocol import OffloadOptimizer
@@ -86,9 +87,7 @@ class OffloadInner:
         # What leaves the device: the grad buffer's dtype, or bf16 rounded from fp32 on request.
         self.transfer_dtype = transfer_dtype(grad_dtype, grad_transfer)
         self._cuda = torch.cuda.is_available() and any(s.grad_view.is_cuda for s in segments)
-        pin = self._cuda  # pinned host memory needs a CUDA context; under the CPU harness it is plain
-        self._grads_host = torch.empty(numel, dtype=self.transfer_dtype, pin_memory=pin)
-        self._params_host = torch.empty(numel, dtype=param_dtype, pin_memory=pin)
+        self._allocate_staging(numel, param_dtype)
         self._d2h_stream = torch.cuda.Stream() if self._cuda else None
         self._h2d_stream = torch.cuda.Stream() if self._cuda else None
         self._round_buffer = None       # device bf16 buffer for grad_transfer='bf16'
@@ -109,7 +108,22 @@ class OffloadInner:
         # The gradient copied during backward, bucket group by bucket group (megatron/early_grads.py);
         # set by copy_grads_during_backward.
         self.early_grads = None
-        _log_grad_transfer(grad_dtype, self.transfer_dtype, numel, grad_transfer)
+        # The tail of the shard kept on the device (--mlp-offload-device-memory), or None;
+        # set by use_device_share: the offload optimizer then covers [0, self._numel) only.
+        self.device_share = None
+        log_grad_transfer(grad_dtype, self.transfer_dtype, numel, grad_transfer)
+
+    def _allocate_staging(self, numel: int, param_dtype: torch.dtype) -> None:
+        pin = self._cuda  # pinned host memory needs a CUDA context; under the CPU harness it is plain
+        self._numel = numel
+        self._grads_host = torch.empty(numel, dtype=self.transfer_dtype, pin_memory=pin)
+        self._params_host = torch.empty(numel, dtype=param_dtype, pin_memory=pin)
+
+    def use_device_share(self, share) -> None:
+        """Keep ``share`` (an ``optim.device_share.DeviceAdam`` over the shard's tail) on the device:
+        its gradients and params never cross the bus, and the host staging covers the rest only."""
+        self.device_share = share
+        self._allocate_staging(share.start, self._params_host.dtype)
 
     @property
     def staging_bytes(self) -> int:
@@ -178,6 +192,8 @@ class OffloadInner:
             self._copy_params_to_device(start, end)
 
         try:
+            if self.device_share is not None:   # on a GPU, queued: it runs while the host updates
+                self.device_share.step(self.inv_loss_scale, self.clip_coef)
             self.offload.step(self._grads_host, self._params_host, inv_loss_scale=self.inv_loss_scale,
                               clip_coef=self.clip_coef, on_subgroup_done=on_subgroup_done, grads_ready=grads_ready,
                               **({"wait": False} if hand_off else {}))
@@ -278,7 +294,8 @@ class OffloadInner:
         if wait is None:
             return
         for start, end in ranges:
-            wait(start, end)
+            if start < self._numel:   # a device share's params are written on the current stream
+                wait(start, min(end, self._numel))
         self.bucket_waits[0] += 1
         self.bucket_waits[1] += bool(getattr(getattr(self.offload, "in_flight", None), "updating", False))
         if self._cuda:
@@ -348,6 +365,8 @@ class OffloadInner:
         self.num_steps = int(step)
         self._step_tensor.fill_(float(step))
         self.offload.set_completed_steps(int(step))
+        if self.device_share is not None:
+            self.device_share.set_completed_steps(int(step))
 
     # -- copies --------------------------------------------------------------------------------
     def _grad_chunks(self) -> list[tuple[int, int]]:
@@ -378,6 +397,7 @@ class OffloadInner:
             self._timing["d2h_end"] = self._record_event(self._d2h_stream)
 
     def _copy_grad_range(self, start: int, end: int) -> None:
+        end = min(end, self._numel)   # a device share's gradient stays where it is
         for s in self._segments:
             lo, hi = max(start, s.flat_start), min(end, s.flat_end)
             if lo >= hi:
@@ -460,21 +480,3 @@ class OffloadInner:
             start = end
         for first, last, moved in t.get("h2d", []):
             trace.span("H2D", "param copy", host(first), host(last), bytes=moved)
-
-
-def transfer_dtype(grad_dtype: torch.dtype, grad_transfer: str) -> torch.dtype:
-    """The dtype the reduced gradient leaves the device in (--mlp-offload-grad-transfer)."""
-    return torch.bfloat16 if grad_transfer == "bf16" and grad_dtype == torch.float32 else grad_dtype
-
-
-def _log_grad_transfer(grad_dtype, transfer_dtype, numel: int, grad_transfer: str) -> None:
-    """Say once, at start, what the gradient costs on its way to the host."""
-    size = transfer_dtype.itemsize
-    name = str(transfer_dtype).replace("torch.", "")
-    logger.info("MLP-Offload: the reduced gradient leaves the device as %s (%d bytes/param, %d bytes per step "
-                "for this rank's %d params)%s", name, size, size * numel, numel,
-                "; rounded from the fp32 grad buffer on the device" if transfer_dtype != grad_dtype else "")
-    if grad_dtype == torch.float32 and grad_transfer == "auto" and numel:
-        logger.warning("MLP-Offload: the grad buffer is fp32 (Megatron-LM's --bf16 default), so gradients "
-                       "move as 4 bytes/param and are not kept in 16 bits on the host; --grad-reduce-in-bf16 "
-                       "or --mlp-offload-grad-transfer bf16 halves that (docs/megatron.md)")

@@ -40,7 +40,9 @@ import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_mlp.errors import TierFailure
-from megatron_mlp.megatron.inner import OffloadInner, Segment, default_inner_factory, transfer_dtype
+from megatron_mlp.megatron.device_split import ShardState, clipped_ranges
+from megatron_mlp.megatron.grad_transfer import transfer_dtype
+from megatron_mlp.megatron.inner import OffloadInner, Segment, default_inner_factory
 from megatron_mlp.megatron.refusals import (l2norm_upcasts_in_registers, moment_dtype_of,
                                             refuse_separately_clipped_params, refuse_unsupported_config)
 from megatron_mlp.megatron.timers import report_step_timers
@@ -100,6 +102,7 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
             raise ValueError("--mlp-offload does not support Megatron FSDP; use --use-distributed-optimizer")
         refuse_separately_clipped_params(self.model_param_group_index_map)
         self._build_flat_layout()
+        self._host_numel = self._numel   # less once a share is kept on the device (device_split.py)
         torch_groups = self.optimizer.param_groups  # the dicts the LR scheduler writes
         # The offload optimizer is built by build_offload once Megatron has built every distributed
         # optimizer of this call: they share one host budget (chained.finish_build).
@@ -115,8 +118,9 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
 
     @property
     def offload_numel(self) -> int:
-        """Elements of this rank's shard: its optimizer state is 12 bytes each (8 with bf16 moments)."""
-        return self._numel
+        """Elements of this rank's shard the host's offload optimizer steps: its optimizer state is 12
+        bytes each (8 with bf16 moments); the rest, if any, is kept on the device."""
+        return self._host_numel
 
     @property
     def offload_role(self) -> str:
@@ -133,7 +137,7 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
             from megatron_mlp.megatron.hand_off import forward_order
             mlp_config = mlp_config.replace(forward_order=forward_order(self, self.offload_plan(mlp_config)))
         from megatron_mlp.optim.host_memory import staging_bytes
-        staging = staging_bytes(self._numel, transfer_dtype(self._grad_dtype, mlp_config.grad_transfer),
+        staging = staging_bytes(self._host_numel, transfer_dtype(self._grad_dtype, mlp_config.grad_transfer),
                                 self._param_dtype)
         return mlp_config, staging
 
@@ -141,7 +145,11 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         """The ``SubgroupPlan`` the offload optimizer builds over this shard with ``mlp_config``."""
         from megatron_mlp.optim.host_memory import config_moment_bytes
         from megatron_mlp.optim.subgroups import SubgroupPlan
-        return SubgroupPlan(self._group_ranges, mlp_config.subgroup_params, config_moment_bytes(mlp_config))
+        return SubgroupPlan(self._host_group_ranges, mlp_config.subgroup_params, config_moment_bytes(mlp_config))
+
+    @property
+    def _host_group_ranges(self) -> list[tuple[int, int]]:
+        return clipped_ranges(self._group_ranges, self._host_numel)
 
     def build_offload(self, mlp_config, token_factory=None, placement=None) -> None:
         """Build the offload optimizer over this rank's shard with ``mlp_config`` (its share of the
@@ -154,7 +162,7 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         extra = {}
         if factory is default_inner_factory:
             extra = {k: v for k, v in (("token_factory", token_factory), ("placement", placement)) if v is not None}
-        self.optimizer.offload = factory(mlp_config, self._group_ranges, self.optimizer.param_groups,
+        self.optimizer.offload = factory(mlp_config, self._host_group_ranges, self.optimizer.param_groups,
                                          self._initial_params, staging_bytes=staging, **extra)
 
     # -- layout ---------------------------------------------------------------------------------
@@ -354,14 +362,14 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         return out
 
     def _subgroup_spans(self, start, end):
-        return [(sg.start, sg.end) for sg in self.optimizer.offload.plan.overlapping(start, end)]
+        return ShardState(self.optimizer).spans(start, end)
 
     def _staged_subgroup(self, lo, hi):
         cache = self.__dict__.setdefault("_staged", {})
         if (lo, hi) not in cache:
             if len(cache) >= 2:
                 cache.pop(next(iter(cache)))
-            cache[(lo, hi)] = self.optimizer.offload.read_range(lo, hi)
+            cache[(lo, hi)] = ShardState(self.optimizer).read_range(lo, hi)
         return cache[(lo, hi)]
 
     def _drop_staged(self):
@@ -370,7 +378,7 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
         self._drop_staged()
         start, end = self._param_flat_range[model_param]
-        self.optimizer.offload.write_range(
+        ShardState(self.optimizer).write_range(
             start, end, **{k: tensors[k].detach().reshape(-1).to("cpu", torch.float32)
                            for k in ("param", "exp_avg", "exp_avg_sq") if k in tensors})
 
@@ -388,7 +396,7 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         for model_param, (start, end) in self._param_flat_range.items():
             rng = self._get_model_param_range_map(model_param)["param"]
             src = source.get(model_param, model_param)
-            self.optimizer.offload.write_range(
+            ShardState(self.optimizer).write_range(
                 start, end, param=src.detach().view(-1)[rng.start:rng.end].to("cpu", torch.float32))
 
     def offload_to_cpu(self):

@@ -65,7 +65,8 @@ def _with_copy_figures(params: dict, opt) -> dict:
     """``params`` plus, where they ran, MLP-Offload's bucket-by-bucket hand-off
     (``__bucket_waits__``: bucket groups handed their params, of those while the update ran;
     megatron/hand_off.py) and its gradient copies during backward (``__early_grad_steps__``: steps
-    that used them, steps that copied everything again; megatron/early_grads.py)."""
+    that used them, steps that copied everything again; megatron/early_grads.py) and the params kept
+    on the device (``__device_share__``: params, steps; --mlp-offload-device-memory)."""
     inners = [getattr(o, "optimizer", None) for o in inner_optimizers(opt)]
     waits = [getattr(i, "bucket_waits", None) for i in inners]
     if any(w for w in waits):
@@ -74,6 +75,10 @@ def _with_copy_figures(params: dict, opt) -> dict:
     if early:
         params["__early_grad_steps__"] = torch.tensor([sum(e.steps_early for e in early),
                                                        sum(e.steps_recopied for e in early)])
+    shares = [s for s in (getattr(i, "device_share", None) for i in inners) if s is not None]
+    if shares:
+        params["__device_share__"] = torch.tensor([sum(s.numel for s in shares),
+                                                   sum(s.steps for s in shares)])
     return params
 
 

@@ -103,6 +103,27 @@ def test_resume_with_state_io_outside_the_step_equals_the_serial_run(tmp_path, o
             assert torch.equal(p_0[name], p_s[name]) and torch.equal(p_0[name], p_r[name]), name
 
 
+@pytest.mark.skipif(_inner() is not None, reason="the device share sits beside OffloadAdam; its kernel is not built here")
+@pytest.mark.parametrize("sharding", [BUCKET, RESHARD])
+def test_resume_with_a_share_of_the_state_on_the_device_equals_the_host_only_run(tmp_path, sharding):
+    """--mlp-offload-device-memory: a checkpoint holds the device share's state beside the host's;
+    saved with half the state on the device and resumed with a quarter there (the split moves), the
+    state, losses and params equal a run that keeps everything on the host, bitwise."""
+    ckpt = str(tmp_path / "ckpt")
+    host = run_distributed(checkpoint_run, 2, SPEC, 1, _cfg(tmp_path, "s"), 5, 5, str(tmp_path / "ckpt-s"), "save",
+                           sharding, None)
+    saved = run_distributed(checkpoint_run, 2, SPEC, 1, _cfg(tmp_path, "a").replace(device_memory_fraction=0.5),
+                            5, 5, ckpt, "save", sharding, None)
+    resumed = run_distributed(checkpoint_run, 2, SPEC, 1, _cfg(tmp_path, "b").replace(device_memory_fraction=0.25),
+                              5, 5, ckpt, "load", sharding, None)
+    for (l_0, p_0, st_0), (l_s, p_s, st_s), (l_r, p_r, st_r) in zip(host, saved, resumed):
+        _state_equal(st_0, st_s)
+        _state_equal(st_0, st_r)
+        assert l_0 == l_s == l_r
+        for name in p_0:
+            assert torch.equal(p_0[name], p_s[name]) and torch.equal(p_0[name], p_r[name]), name
+
+
 def test_stock_checkpoint_loads_into_mlp_offload(tmp_path):
     inner = _inner()
     ckpt = str(tmp_path / "stock")

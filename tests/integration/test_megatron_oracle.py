@@ -203,3 +203,37 @@ def test_stock_keeps_its_state_on_device_which_the_report_detects():
     report = run_distributed(device_state_report, 2, SPEC, 1, None, 1)
     r = report[0][0]
     assert r["fp32_master_numel"] == r["shard_numel"] and r["state_tensor_numel"] >= 2 * r["shard_numel"]
+
+
+@REAL
+@pytest.mark.parametrize("scenario", ["dp2", "tp2", "pp2", "fp16-skips", "handed-off"])
+def test_bitwise_equal_stock_when_a_share_of_the_state_is_kept_on_the_device(tmp_path, scenario):
+    """--mlp-offload-device-memory 0.5: the shard's last subgroups keep their state on the device
+    and are stepped there by AdamW while the host steps the rest (every host subgroup read and
+    written back each step); losses and params stay bitwise stock's with clipping active, under
+    TP and PP = 2, with fp16 loss scaling that skips steps, and with the host update handed to the
+    next forward bucket by bucket (--mlp-offload-overlap-io with --overlap-param-gather)."""
+    config = _config(tmp_path, num_tiers=2, subgroup_params=4096, warm_buffers=False, device_memory_fraction=0.5,
+                     overlap_io=scenario == "handed-off")
+    skipped = 0
+    if scenario == "pp2":
+        ours = run_distributed(train_pipeline, 2, SPEC, 2, config, ITERS)
+        _assert_bitwise(ours, run_distributed(train_pipeline, 2, SPEC, 2, None, ITERS))
+    elif scenario == "fp16-skips":
+        spec, overrides = gpt.TinyGPT(bf16=False, fp16=True), {"initial_loss_scale": 2.0 ** 20}
+        stock = run_distributed(train, 2, spec, 1, None, ITERS, False, None, overrides)
+        skipped = int(stock[0][1]["__skipped_steps__"])
+        assert skipped >= 1
+        ours = run_distributed(train, 2, spec, 1, config, ITERS, False, None, overrides)
+        _assert_bitwise(ours, stock)
+    elif scenario == "handed-off":
+        ours = run_distributed(train, 2, SPEC, 1, config, ITERS, False, None, None, True)
+        _assert_bitwise(ours, run_distributed(train, 2, SPEC, 1, None, ITERS, False, None, None, True))
+        assert all(params["__bucket_waits__"][0] >= ITERS for _, params in ours)
+    else:
+        tp = 2 if scenario == "tp2" else 1
+        ours = run_distributed(train, 2, SPEC, tp, config, ITERS)
+        _assert_bitwise(ours, _stock(tp))
+    for _, params in ours:
+        on_device, steps = params["__device_share__"].tolist()
+        assert on_device > 0 and steps == ITERS - skipped, params["__device_share__"]
