@@ -43,6 +43,10 @@ PERF_VARIANTS = (
     ("mlp_offload_update_behind", {"update_behind": True}, {}),
     # The same, the update in the order the next forward needs the params (--mlp-offload-order forward).
     ("mlp_offload_update_behind_forward", {"update_behind": True, "order": "forward"}, {}),
+    # Half the state on the device, stepped there beside the host's update (--mlp-offload-device-memory
+    # 0.5): the device memory cpu_offload_half keeps, against it; alone and with the update behind.
+    ("mlp_offload_device_half", {"device_memory_fraction": 0.5}, {}),
+    ("mlp_offload_device_half_behind", {"device_memory_fraction": 0.5, "update_behind": True}, {}),
     ("cpu_offload", None, dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
                                overlap_cpu_optimizer_d2h_h2d=False)),
     ("cpu_offload_half", None, dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5,

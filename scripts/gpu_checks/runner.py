@@ -11,7 +11,8 @@ import time
 import traceback
 import warnings
 
-from gpu_checks import checkpoint, fp16_skip, grad_dtype, overlap, parity, perf, trace, update_behind
+from gpu_checks import (checkpoint, device_share, fp16_skip, grad_dtype, overlap, parity, perf, trace,
+                        update_behind)
 from gpu_checks.context import Context, record
 from gpu_checks.harness import init_process
 
@@ -22,12 +23,14 @@ STEPS = (
     ("fp16_skip", fp16_skip.check_fp16_skip, ("fp16_skip",)),
     ("overlap", overlap.check_overlap, ("overlap",)),
     ("update_behind", update_behind.check_update_behind, ("update_behind",)),
+    ("device_share", device_share.check_device_share, ("device_share",)),
     ("grad_dtype", grad_dtype.check_grad_dtype, ("grad_dtype",)),
     ("checkpoint", checkpoint.check_checkpoint, ("checkpoint",)),
     ("trace", trace.check_trace, ("trace",)),
     ("perf", perf.check_perf, ("iteration_time", "memory_saved", "transfer_bandwidth")),
 )
 CHECKS = ("pinned_staging", "d2h_exact", "h2d_exact", "stock_parity", "fp16_skip", "overlap", "update_behind",
+          "device_share",
           "grad_dtype", "checkpoint", "trace", "transfer_bandwidth", "iteration_time", "memory_saved")
 GPU_ONLY = ("pinned_staging", "transfer_bandwidth", "iteration_time", "memory_saved")
 

@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import gpu_check  # noqa: E402
 from gpu_checks.compare import max_ulp_distance, param_agreement  # noqa: E402
 
-CPU_CHECKS = ("d2h_exact", "h2d_exact", "stock_parity", "fp16_skip", "overlap", "update_behind", "grad_dtype",
-              "checkpoint", "trace")
+CPU_CHECKS = ("d2h_exact", "h2d_exact", "stock_parity", "fp16_skip", "overlap", "update_behind", "device_share",
+              "grad_dtype", "checkpoint", "trace")
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,9 @@ def test_the_exactness_checks_run_on_the_cpu_harness_and_are_bitwise(cpu_run):
     for order, behind in checks["update_behind"]["by_order"].items():   # alternating and forward order
         assert behind["bitwise_losses"] and behind["bitwise_params"] and behind["bucket_group_waits"] >= 6, order
     assert set(checks["update_behind"]["by_order"]) == {"alternate", "forward"}
+    for mode, share in checks["device_share"]["by_mode"].items():   # alone, and with the update behind
+        assert share["bitwise"] and share["params_on_device"] > 0 and share["device_steps"] == 6, (mode, share)
+    assert set(checks["device_share"]["by_mode"]) == {"serial", "handed_off"}
 
 
 def test_the_gpu_only_checks_are_skipped_with_the_reason(cpu_run):
