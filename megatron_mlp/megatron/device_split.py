@@ -58,7 +58,7 @@ def host_kernel_seconds_per_element(numel: int = 1 << 20, repeats: int = 3) -> f
 def choose_host_subgroups(plan, config, cap_elements: int, staging_per_element: int, rates=None) -> tuple[int, dict]:
     """How many of ``plan``'s leading subgroups stay on the host (the rest go to the device), and
     the predicted update times of both sides. ``rates``: (host kernel, device AdamW) seconds per
-    element; measured when None."""
+    element; measured when None (without CUDA the device's is 0: the budget is used whole)."""
     from megatron_mlp.errors import ConfigError
     from megatron_mlp.optim.host_memory import config_moment_bytes
     from megatron_mlp.optim.placement.model import update_seconds
@@ -68,9 +68,13 @@ def choose_host_subgroups(plan, config, cap_elements: int, staging_per_element: 
 
     if cap_elements <= 0 or len(plan) == 0:
         return len(plan), {}
-    if rates is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    if rates is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
         rates = (host_kernel_seconds_per_element(), adam_seconds_per_element(device))
+    elif rates is None:
+        # The CPU harness: the "device" is the CPU, whose two updates share the same cores, so there
+        # is no balance to find; the budget is used whole (the same split on every run and rank).
+        rates = (host_kernel_seconds_per_element(), 0.0)
     host_rate, device_rate = rates
     estimate = config.replace(order="alternate", forward_order=()) if config.order == "forward" else config
     cache: dict[int, float] = {}

@@ -182,11 +182,14 @@ def params_by_name(model) -> dict[str, torch.Tensor]:
 
 
 def optimizer_layout(opt) -> list[dict]:
-    """What Megatron built: per distributed optimizer, its class, shard size and data-parallel size."""
+    """What Megatron built: per distributed optimizer, its class, shard size and data-parallel size,
+    and the params of its shard kept on the device (--mlp-offload-device-memory)."""
     out = []
     for dopt in getattr(opt, "chained_optimizers", [opt]):
+        share = getattr(dopt.optimizer, "device_share", None)
         out.append({"type": type(dopt).__name__, "dp_size": dopt.data_parallel_group.size(),
-                    "shard_numel": sum(p.numel() for g in dopt.optimizer.param_groups for p in g["params"])})
+                    "shard_numel": sum(p.numel() for g in dopt.optimizer.param_groups for p in g["params"]),
+                    "device_share_numel": share.numel if share is not None else 0})
     return out
 
 

@@ -63,6 +63,18 @@ def test_chained_offload_optimizers_bitwise_equal_stock_chain(tmp_path, spec):
     _assert_bitwise(ours, stock)
 
 
+def test_chained_offload_optimizers_keep_shares_on_the_device_bitwise_equal_stock_chain(tmp_path):
+    """--mlp-offload-device-memory as a size is per rank: split over the dense and the expert
+    optimizer by state size (a share of each kept on the device), still bitwise stock's chain."""
+    stock = _stock(MOE)
+    rank_numel = sum(m["shard_numel"] for m in stock[0][3])
+    config = _config(tmp_path, host_cache_bytes=1 << 16, device_memory_bytes=12 * rank_numel // 2)
+    ours = run_distributed(moe.train, 2, MOE, config, ITERS)
+    for _, _, _, layout in ours:
+        assert all(0 < m["device_share_numel"] <= m["shard_numel"] // 2 for m in layout), layout
+    _assert_bitwise(ours, stock)
+
+
 def test_expert_optimizer_runs_over_the_expert_data_parallel_group():
     """EP=2 on 2 ranks: the dense optimizer shards over DP=2, the expert one over expert-DP=1."""
     assert [m["dp_size"] for m in _stock(MOE)[0][3]] == [2, 1]
