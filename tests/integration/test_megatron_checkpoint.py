@@ -62,6 +62,17 @@ def _state_equal(a: dict, b: dict):
             assert torch.equal(a[name][k], b[name][k]), f"{name}.{k} differs"
 
 
+def _assert_runs_equal(reference, *others):
+    """Each rank's state, losses and params of every run in ``others`` equal ``reference``'s, bitwise."""
+    for rank, (l_0, p_0, st_0) in enumerate(reference):
+        for run in others:
+            losses, params, state = run[rank]
+            _state_equal(st_0, state)
+            assert l_0 == losses
+            for name in p_0:
+                assert torch.equal(p_0[name], params[name]), name
+
+
 @pytest.mark.parametrize("sharding", [BUCKET, RESHARD])
 def test_resume_continues_like_an_uninterrupted_run_when_saved_and_loaded(tmp_path, sharding):
     ckpt = str(tmp_path / "ckpt")
@@ -95,12 +106,7 @@ def test_resume_with_state_io_outside_the_step_equals_the_serial_run(tmp_path, o
                             BUCKET, None)
     resumed = run_distributed(checkpoint_run, 2, SPEC, 1, cfg("b", overlap_io=True, order=order), 5, 5, ckpt, "load",
                               BUCKET, None)
-    for (l_0, p_0, st_0), (l_s, p_s, st_s), (l_r, p_r, st_r) in zip(serial, saved, resumed):
-        _state_equal(st_0, st_s)
-        _state_equal(st_0, st_r)
-        assert l_0 == l_s == l_r
-        for name in p_0:
-            assert torch.equal(p_0[name], p_s[name]) and torch.equal(p_0[name], p_r[name]), name
+    _assert_runs_equal(serial, saved, resumed)
 
 
 @pytest.mark.skipif(_inner() is not None, reason="the device share sits beside OffloadAdam; its kernel is not built here")
@@ -116,12 +122,7 @@ def test_resume_with_a_share_of_the_state_on_the_device_equals_the_host_only_run
                             5, 5, ckpt, "save", sharding, None)
     resumed = run_distributed(checkpoint_run, 2, SPEC, 1, _cfg(tmp_path, "b").replace(device_memory_fraction=0.25),
                               5, 5, ckpt, "load", sharding, None)
-    for (l_0, p_0, st_0), (l_s, p_s, st_s), (l_r, p_r, st_r) in zip(host, saved, resumed):
-        _state_equal(st_0, st_s)
-        _state_equal(st_0, st_r)
-        assert l_0 == l_s == l_r
-        for name in p_0:
-            assert torch.equal(p_0[name], p_s[name]) and torch.equal(p_0[name], p_r[name]), name
+    _assert_runs_equal(host, saved, resumed)
 
 
 def test_stock_checkpoint_loads_into_mlp_offload(tmp_path):

@@ -52,6 +52,18 @@ def _assert_bitwise(ours, stock):
             assert torch.equal(p1[name], p0[name]), f"rank {rank}: {name} differs"
 
 
+def _bitwise_with_fp16_skips(config):
+    """fp16 with a loss scale that overflows: ours bitwise stock's, skipping the same steps.
+    Returns our runs and the number of steps skipped."""
+    spec, overrides = gpt.TinyGPT(bf16=False, fp16=True), {"initial_loss_scale": 2.0 ** 20}
+    stock = run_distributed(train, 2, spec, 1, None, ITERS, False, None, overrides)
+    skipped = int(stock[0][1]["__skipped_steps__"])
+    assert skipped >= 1
+    ours = run_distributed(train, 2, spec, 1, config, ITERS, False, None, overrides)
+    _assert_bitwise(ours, stock)
+    return ours, skipped
+
+
 def _config(tmp_path, **kw):
     paths = ";".join(str(tmp_path / f"tier{i}") for i in range(kw.pop("num_tiers", 1)))
     for i in range(len(paths.split(";"))):
@@ -91,12 +103,7 @@ def test_bitwise_equal_stock_when_state_io_runs_outside_the_step(tmp_path, scena
         ours = run_distributed(train_pipeline, 2, spec, 2, config, ITERS)
         _assert_bitwise(ours, run_distributed(train_pipeline, 2, spec, 2, None, ITERS))
     elif scenario == "fp16-skips":
-        spec, overrides = gpt.TinyGPT(bf16=False, fp16=True), {"initial_loss_scale": 2.0 ** 20}
-        stock = run_distributed(train, 2, spec, 1, None, ITERS, False, None, overrides)
-        skipped = int(stock[0][1]["__skipped_steps__"])
-        assert skipped >= 1
-        ours = run_distributed(train, 2, spec, 1, config, ITERS, False, None, overrides)
-        _assert_bitwise(ours, stock)
+        ours, skipped = _bitwise_with_fp16_skips(config)
     else:
         tp = 2 if scenario == "tp2" else 1
         ours = run_distributed(train, 2, SPEC, tp, config, ITERS)
@@ -220,12 +227,7 @@ def test_bitwise_equal_stock_when_a_share_of_the_state_is_kept_on_the_device(tmp
         ours = run_distributed(train_pipeline, 2, SPEC, 2, config, ITERS)
         _assert_bitwise(ours, run_distributed(train_pipeline, 2, SPEC, 2, None, ITERS))
     elif scenario == "fp16-skips":
-        spec, overrides = gpt.TinyGPT(bf16=False, fp16=True), {"initial_loss_scale": 2.0 ** 20}
-        stock = run_distributed(train, 2, spec, 1, None, ITERS, False, None, overrides)
-        skipped = int(stock[0][1]["__skipped_steps__"])
-        assert skipped >= 1
-        ours = run_distributed(train, 2, spec, 1, config, ITERS, False, None, overrides)
-        _assert_bitwise(ours, stock)
+        ours, skipped = _bitwise_with_fp16_skips(config)
     elif scenario == "handed-off":
         ours = run_distributed(train, 2, SPEC, 1, config, ITERS, False, None, None, True)
         _assert_bitwise(ours, run_distributed(train, 2, SPEC, 1, None, ITERS, False, None, None, True))

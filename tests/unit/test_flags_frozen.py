@@ -29,6 +29,7 @@ FROZEN = {
     "--mlp-offload-no-deferred-upcast": "off",
     "--mlp-offload-no-warm-buffers": "off",
     "--mlp-offload-overlap-io": "off",
+    "--mlp-offload-device-memory": "`0`",
     "--mlp-offload-grad-transfer": "`auto`",
     "--mlp-offload-trace": "(none)",
     "--mlp-offload-trace-steps": "`2-4`",
