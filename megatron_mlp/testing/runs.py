@@ -82,13 +82,17 @@ def _with_copy_figures(params: dict, opt) -> dict:
     return params
 
 
-def train_pipeline(rank, world_size, spec, pp, mlp_config, iters):
+def train_pipeline(rank, world_size, spec, pp, mlp_config, iters, overlap_param_gather=False):
     """Train ``iters`` steps through Megatron's pipeline schedule with ``pp`` stages (TP=1, the
-    rest data-parallel); returns (losses on the last stage, None elsewhere; params-by-name)."""
+    rest data-parallel); returns (losses on the last stage, None elsewhere; params-by-name). With
+    ``overlap_param_gather`` as :func:`train`."""
     from megatron_mlp.testing import gpt
 
-    model, opt = build(spec, 1, mlp_config, pp=pp)
+    model, opt = build(spec, 1, mlp_config, pp=pp, overlap_param_gather=overlap_param_gather)
     losses = [gpt.pipeline_train_step(spec, model, opt, i) for i in range(iters)]
+    if overlap_param_gather:
+        for chunk in model:
+            chunk.start_param_sync(force_sync=True)
     return losses, _with_copy_figures(gpt.model_params(model), opt)
 
 
@@ -127,9 +131,9 @@ def device_state_report(rank, world_size, spec, tp, mlp_config, iters, inner_fac
 
 
 def checkpoint_run(rank, world_size, spec, tp, mlp_config, iters_before, iters_after, ckpt_dir, mode,
-                   sharding_type="dp_reshardable", inner_factory=None):
+                   sharding_type="dp_reshardable", inner_factory=None, overlap_param_gather=False):
     return _checkpoint_run(rank, world_size, spec, tp, mlp_config, iters_before, iters_after, ckpt_dir, mode,
-                           sharding_type, inner_factory)
+                           sharding_type, inner_factory, overlap_param_gather)
 
 
 def checkpoint_run_tp(rank, world_size, save_tp, load_tp, spec, mlp_config, iters, ckpt_dir, mode,
@@ -141,18 +145,26 @@ def checkpoint_run_tp(rank, world_size, save_tp, load_tp, spec, mlp_config, iter
 
 
 def _checkpoint_run(rank, world_size, spec, tp, mlp_config, iters_before, iters_after, ckpt_dir, mode,
-                    sharding_type, inner_factory):
+                    sharding_type, inner_factory, overlap_param_gather=False):
     """mode 'save': train iters_before, save, keep training iters_after; 'load': build, load, train
-    iters_after. Returns (losses after the save point, params, optimizer state by param name)."""
+    iters_after. Returns (losses after the save point, params, optimizer state by param name).
+    With ``overlap_param_gather`` the params are all-gathered by the next forward's pre-hooks;
+    around the save the hooks are turned off with a forced all-gather, as Megatron-LM does."""
     from megatron_mlp.testing import gpt
 
-    model, opt = build(spec, tp, mlp_config, inner_factory=inner_factory)
+    model, opt = build(spec, tp, mlp_config, inner_factory=inner_factory, overlap_param_gather=overlap_param_gather)
     meta = {"distrib_optim_sharding_type": sharding_type}
     gpt_model = gpt.gpt_model(model)
     if mode == "save":
         for i in range(iters_before):
             gpt.train_step(spec, model, opt, i)
+        if overlap_param_gather:
+            for chunk in model:
+                chunk.disable_forward_pre_hook()
         save_checkpoint(gpt_model.sharded_state_dict(), opt, meta, ckpt_dir, rank)
+        if overlap_param_gather:
+            for chunk in model:
+                chunk.enable_forward_pre_hook()
     else:
         if mlp_config is None:
             # Stock DistributedOptimizer without TE/Apex cannot load into a fresh optimizer (no
@@ -164,6 +176,9 @@ def _checkpoint_run(rank, world_size, spec, tp, mlp_config, iters_before, iters_
         opt.load_state_dict(loaded["optimizer"])
     state = optimizer_state_by_param(model, opt)
     losses = [gpt.train_step(spec, model, opt, iters_before + i) for i in range(iters_after)]
+    if overlap_param_gather:
+        for chunk in model:
+            chunk.start_param_sync(force_sync=True)
     return losses, gpt.model_params(model), state
 
 

@@ -109,6 +109,26 @@ def test_resume_with_state_io_outside_the_step_equals_the_serial_run(tmp_path, o
     _assert_runs_equal(serial, saved, resumed)
 
 
+@pytest.mark.skipif(_inner() is not None, reason="overlapped I/O is OffloadAdam's; its kernel is not built here")
+def test_resume_with_params_handed_to_the_next_forward_equals_the_serial_run(tmp_path):
+    """--mlp-offload-overlap-io with --overlap-param-gather: the update runs behind the caller and
+    each bucket group's all-gather waits for its own params; a save (the pre-hooks turned off with
+    a forced all-gather first, as Megatron-LM saves) holds the completed step, and the resumed run
+    and the uninterrupted one equal the serial run -- state, losses and params -- bitwise."""
+    ckpt = str(tmp_path / "ckpt")
+
+    def cfg(name, **kw):
+        return _cfg(tmp_path, name).replace(warm_buffers=False, **kw)
+
+    serial = run_distributed(checkpoint_run, 2, SPEC, 1, cfg("s"), 5, 5, str(tmp_path / "ckpt-s"), "save", BUCKET,
+                             None, True)
+    saved = run_distributed(checkpoint_run, 2, SPEC, 1, cfg("a", overlap_io=True), 5, 5, ckpt, "save", BUCKET,
+                            None, True)
+    resumed = run_distributed(checkpoint_run, 2, SPEC, 1, cfg("b", overlap_io=True), 5, 5, ckpt, "load", BUCKET,
+                              None, True)
+    _assert_runs_equal(serial, saved, resumed)
+
+
 @pytest.mark.skipif(_inner() is not None, reason="the device share sits beside OffloadAdam; its kernel is not built here")
 @pytest.mark.parametrize("sharding", [BUCKET, RESHARD])
 def test_resume_with_a_share_of_the_state_on_the_device_equals_the_host_only_run(tmp_path, sharding):

@@ -114,15 +114,22 @@ def test_bitwise_equal_stock_when_state_io_runs_outside_the_step(tmp_path, scena
 
 
 @REAL
-@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
-def test_bitwise_equal_stock_when_params_are_handed_to_the_next_forward_bucket_by_bucket(tmp_path, tp):
+@pytest.mark.parametrize("scenario", ["dp2", "tp2", "pp2"])
+def test_bitwise_equal_stock_when_params_are_handed_to_the_next_forward_bucket_by_bucket(tmp_path, scenario):
     """--mlp-offload-overlap-io with --overlap-param-gather: step() returns before the update ends
     and each bucket group's all-gather, dispatched by the next forward's pre-hook, waits only for
     this rank's params of its own buckets (megatron/hand_off.py); stock runs with
-    --overlap-param-gather too. Losses and params bitwise stock's."""
+    --overlap-param-gather too. Losses and params bitwise stock's, under TP = 2 and through the
+    pipeline schedule with PP = 2 (the embedding tied across the stages)."""
     config = _config(tmp_path, num_tiers=2, subgroup_params=4096, warm_buffers=False, overlap_io=True)
-    stock = run_distributed(train, 2, SPEC, tp, None, ITERS, False, None, None, True)
-    ours = run_distributed(train, 2, SPEC, tp, config, ITERS, False, None, None, True)
+    if scenario == "pp2":
+        spec = gpt.TinyGPT(tied_embeddings=True)
+        stock = run_distributed(train_pipeline, 2, spec, 2, None, ITERS, True)
+        ours = run_distributed(train_pipeline, 2, spec, 2, config, ITERS, True)
+    else:
+        tp = 2 if scenario == "tp2" else 1
+        stock = run_distributed(train, 2, SPEC, tp, None, ITERS, False, None, None, True)
+        ours = run_distributed(train, 2, SPEC, tp, config, ITERS, False, None, None, True)
     _assert_bitwise(ours, stock)
     for _, params in ours:
         waits, during_update = params["__bucket_waits__"].tolist()
