@@ -61,6 +61,9 @@ def test_the_exactness_checks_run_on_the_cpu_harness_and_are_bitwise(cpu_run):
     for mode, share in checks["device_share"]["by_mode"].items():   # alone, and with the update behind
         assert share["bitwise"] and share["params_on_device"] > 0 and share["device_steps"] == 6, (mode, share)
     assert set(checks["device_share"]["by_mode"]) == {"serial", "handed_off"}
+    # With the update behind the caller the trace shows its kernels going on after step() returned.
+    after = checks["trace"]["update_behind_kernel_s_after_step_returned"]
+    assert set(after) == {"2", "3"} and all(s > 0 for s in after.values()), after
 
 
 def test_the_gpu_only_checks_are_skipped_with_the_reason(cpu_run):
