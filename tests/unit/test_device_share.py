@@ -129,3 +129,11 @@ def test_a_device_budget_that_is_no_size_names_the_flag():
     from megatron_mlp.megatron.arguments import _device_memory
     with pytest.raises(ConfigError, match="--mlp-offload-device-memory"):
         _device_memory("lots")
+
+
+def test_the_flag_reaches_the_config_from_megatron_style_arguments():
+    from tests.unit.test_arguments import _config
+    base = ("--mlp-offload", "--mlp-offload-paths", "/tmp")
+    assert _config(*base).device_memory_bytes == 0 and _config(*base).device_memory_fraction == 0.0
+    assert _config(*base, "--mlp-offload-device-memory", "0.5").device_memory_fraction == 0.5
+    assert _config(*base, "--mlp-offload-device-memory", "2GiB").device_memory_bytes == 2 << 30
