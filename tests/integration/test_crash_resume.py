@@ -30,9 +30,9 @@ SPEC = gpt.TinyGPT()
 K, AFTER = 3, 2          # checkpoint after K iterations, then AFTER more
 
 
-def _cfg(tier):
+def _cfg(tier, **kw):
     os.makedirs(tier, exist_ok=True)
-    return MLPOffloadConfig.from_paths(tier, subgroup_params=4096, calibration="off", use_tokens=False)
+    return MLPOffloadConfig.from_paths(tier, subgroup_params=4096, calibration="off", use_tokens=False, **kw)
 
 
 def _gpt_model(model):
@@ -70,7 +70,7 @@ def worker(rank, world, cfg, ckpt, mode, start, k=K):
     """mode: 'reference' (train K, save, train AFTER), 'crash' (train K, save, SIGKILL inside the
     next update), 'resume' (load, train AFTER), 'tier_failure' (train; every write fails from
     iteration K on; save an emergency checkpoint when the optimizer stops)."""
-    from megatron_mlp.testing.runs import build, optimizer_state_by_param
+    from megatron_mlp.testing.runs import build, inner_optimizers, optimizer_state_by_param
     inner_factory = None
     engines = []
     if mode == "tier_failure":
@@ -91,14 +91,27 @@ def worker(rank, world, cfg, ckpt, mode, start, k=K):
         return losses, gpt.model_params(model), optimizer_state_by_param(model, opt), stale
     if mode == "tier_failure":
         from megatron_mlp.errors import TierFailure
+        # With the update's I/O behind the caller (cfg.overlap_io) the write-backs of iteration k
+        # fail behind the next forward and backward; the next step raises, its own update not
+        # applied: the state held is the same k + 1 iterations' as in the serial case.
+        behind = cfg.overlap_io
         for i in range(k):
             gpt.train_step(SPEC, model, opt, i)
+        if behind:
+            for off in _offloads(opt):
+                off.wait_for_update()   # the faults hit iteration k's write-backs, not k - 1's
         for fe in engines:
             for eng in fe.engines:
                 eng.inject_fault(nth=1, err=errno.EIO, op="write", every=True)
-        with pytest.raises(TierFailure) as info:
+        if behind:
             gpt.train_step(SPEC, model, opt, k)
+        with pytest.raises(TierFailure) as info:
+            gpt.train_step(SPEC, model, opt, k + 1 if behind else k)
         assert info.value.state_complete and info.value.step_completed
+        if behind:   # found by the first gradient copy of backward; that iteration's update not applied
+            (inner,) = [d.optimizer for d in inner_optimizers(opt)]
+            assert inner.early_grads is not None and inner.early_grads.steps_early == k + 1
+            assert inner.num_steps == k + 1
         _save(model, opt, ckpt)      # the emergency checkpoint: reads the state held in host memory
         return [], gpt.model_params(model), optimizer_state_by_param(model, opt), []
     for i in range(k):
@@ -155,12 +168,17 @@ def test_sigkill_mid_update_then_restart_from_the_last_checkpoint_matches_the_un
     assert not [n for n in os.listdir(tier) if n.startswith("mlp-offload-")]
 
 
-def test_tier_failure_with_no_tier_left_saves_an_emergency_checkpoint_that_resumes_exactly(tmp_path, reference):
+@pytest.mark.parametrize("io", ["serial", "behind"])
+def test_tier_failure_with_no_tier_left_saves_an_emergency_checkpoint_that_resumes_exactly(tmp_path, reference, io):
+    """Serial: the step whose write-backs fail raises. Behind (--mlp-offload-overlap-io, the gradient
+    copied during backward): they fail behind the next iteration, whose first gradient copy finds
+    it; that iteration's update is not applied and its step raises."""
     ref = reference
     # Every write fails from iteration K-1 on (one tier, no host cache): the optimizer stops after
     # completing that iteration, and the emergency checkpoint is saved from the held state --
     # the same point (K iterations done) as the reference's checkpoint.
-    run_distributed(worker, 1, _cfg(str(tmp_path / "tier")), str(tmp_path / "ckpt"), "tier_failure", 0, K - 1)
+    run_distributed(worker, 1, _cfg(str(tmp_path / "tier"), overlap_io=io == "behind"), str(tmp_path / "ckpt"),
+                    "tier_failure", 0, K - 1)
     (res,) = run_distributed(worker, 1, _cfg(str(tmp_path / "tier2")), str(tmp_path / "ckpt"), "resume", K)
     assert res[0] == ref[0]
     for name in ref[1]:
