@@ -40,17 +40,21 @@ def clipped_ranges(group_ranges, end: int) -> list[tuple[int, int]]:
     return [(min(s, end), min(e, end)) for s, e in group_ranges]
 
 
-def host_kernel_seconds_per_element(numel: int = 1 << 20, repeats: int = 3) -> float:
-    """Seconds per element of the fused CPU kernel on this process's cores, bf16 gradient (best of
-    ``repeats``)."""
-    from megatron_mlp.optim.fused_adam import fused_adam_step
+def host_kernel_seconds_per_element(config, numel: int = 1 << 20, repeats: int = 3) -> float:
+    """Seconds per element of the fused CPU kernel on this rank's share of the cores (what the
+    update will use: ``--mlp-offload-adam-threads``, else the node's cores over its ranks), bf16
+    gradient, best of ``repeats``."""
+    from megatron_mlp.optim.fused_adam import fused_adam_step, kernel_threads_for_rank
+
+    threads = config.adam_threads or kernel_threads_for_rank(config.ranks_per_node)
 
     p, m, v = (torch.zeros(numel) for _ in range(3))
     grad = torch.ones(numel, dtype=torch.bfloat16)
     best = float("inf")
     for step in range(1, repeats + 2):
         t0 = time.perf_counter()
-        fused_adam_step(p, m, v, grad, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=step)
+        fused_adam_step(p, m, v, grad, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=step,
+                        num_threads=threads)
         best = min(best, time.perf_counter() - t0)
     return best / numel
 
@@ -70,11 +74,11 @@ def choose_host_subgroups(plan, config, cap_elements: int, staging_per_element: 
         return len(plan), {}
     if rates is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
-        rates = (host_kernel_seconds_per_element(), adam_seconds_per_element(device))
+        rates = (host_kernel_seconds_per_element(config), adam_seconds_per_element(device))
     elif rates is None:
         # The CPU harness: the "device" is the CPU, whose two updates share the same cores, so there
         # is no balance to find; the budget is used whole (the same split on every run and rank).
-        rates = (host_kernel_seconds_per_element(), 0.0)
+        rates = (host_kernel_seconds_per_element(config), 0.0)
     host_rate, device_rate = rates
     estimate = config.replace(order="alternate", forward_order=()) if config.order == "forward" else config
     cache: dict[int, float] = {}
