@@ -22,7 +22,7 @@ demo: install
 	$(PYTHON) -m megatron_mlp demo
 
 test: install
-	$(PYTHON) -m pytest -q -ra tests
+	$(PYTHON) -m pytest -q -ra --durations=15 tests
 	$(MAKE) megatron-older-tests
 
 # The Megatron integration tests again with the older Megatron-Core line.
@@ -35,7 +35,7 @@ megatron-older-tests:
 	    "$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 	$(OLDER_VENV)/bin/python -m pip install -q "$(OLDER_MCORE_SPEC)"
 	PYTHONPATH=$(CURDIR) $(OLDER_VENV)/bin/python -c "import megatron.core as m; print('megatron-core', m.__version__)"
-	PYTHONPATH=$(CURDIR) $(OLDER_VENV)/bin/python -m pytest -q -ra $(MEGATRON_TESTS)
+	PYTHONPATH=$(CURDIR) $(OLDER_VENV)/bin/python -m pytest -q -ra --durations=10 $(MEGATRON_TESTS)
 
 clean:
 	rm -rf build *.egg-info $(OLDER_VENV) megatron_mlp/*.so tests/cpp/bin
