@@ -201,10 +201,8 @@ def _device_memory(value) -> dict:
         number = float(text)
     except ValueError:
         return {"device_memory_bytes": parse_size(text, "--mlp-offload-device-memory")}
-    if 0.0 < number <= 1.0 and not text.isdigit():
+    if 0.0 < number <= 1.0:
         return {"device_memory_fraction": number}
-    if number == 1.0:
-        return {"device_memory_fraction": 1.0}
     return {"device_memory_bytes": parse_size(text, "--mlp-offload-device-memory")}
 
 

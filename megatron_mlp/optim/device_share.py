@@ -30,12 +30,13 @@ DEVICE_STATE_BYTES = 12
 
 @dataclass
 class DeviceRun:
-    """Elements ``[flat_start, flat_end)`` of the shard that sit contiguously in the DDP buffers."""
+    """Elements ``[flat_start, flat_end)`` of the shard that sit contiguously in the DDP buffers
+    (the shape of the Megatron layer's ``Segment``, which DeviceAdam takes as it is)."""
 
     flat_start: int
     flat_end: int
-    grad: torch.Tensor    # this rank's reduced shard of them in the grad buffer
-    param: torch.Tensor   # the same elements of the param buffer (what the all-gather sends)
+    grad_view: torch.Tensor    # this rank's reduced shard of them in the grad buffer
+    param_view: torch.Tensor   # the same elements of the param buffer (what the all-gather sends)
 
 
 class DeviceAdam:
@@ -53,7 +54,7 @@ class DeviceAdam:
         self.start = self.subgroups[0].start if self.subgroups else 0
         self.end = self.subgroups[-1].end if self.subgroups else 0
         self.numel = self.end - self.start
-        self.runs = [_as_run(r) for r in runs if r.flat_end > self.start and r.flat_start < self.end]
+        self.runs = [r for r in runs if r.flat_end > self.start and r.flat_start < self.end]
         self.param_groups = param_groups
         self.transfer_dtype = transfer_dtype
         self.moment_dtype = moment_dtype
@@ -107,7 +108,7 @@ class DeviceAdam:
         for run in self.runs:
             lo, hi = max(start, run.flat_start), min(end, run.flat_end)
             if lo < hi:
-                src = run.grad[lo - run.flat_start:hi - run.flat_start]
+                src = run.grad_view[lo - run.flat_start:hi - run.flat_start]
                 # The dtype the host copy would have carried (bitwise the serial step), then fp32.
                 out[lo - start:hi - start].copy_(src.to(self.transfer_dtype))
         return out
@@ -116,7 +117,7 @@ class DeviceAdam:
         for run in self.runs:
             lo, hi = max(start, run.flat_start), min(end, run.flat_end)
             if lo < hi:
-                run.param[lo - run.flat_start:hi - run.flat_start].copy_(p.detach()[lo - start:hi - start])
+                run.param_view[lo - run.flat_start:hi - run.flat_start].copy_(p.detach()[lo - start:hi - start])
 
     # -- state by range (checkpoints) -------------------------------------------------------------
     def read_range(self, start: int, end: int) -> dict[str, torch.Tensor]:
@@ -160,12 +161,6 @@ class DeviceAdam:
         if not self.start <= start <= end <= self.end:
             raise ValueError(f"device share: range [{start}, {end}) is outside its elements "
                              f"[{self.start}, {self.end})")
-
-
-def _as_run(run) -> DeviceRun:
-    if isinstance(run, DeviceRun):
-        return run
-    return DeviceRun(run.flat_start, run.flat_end, run.grad_view, run.param_view)
 
 
 def balanced_split(plan, cap_elements: int, host_seconds, device_seconds) -> int:
