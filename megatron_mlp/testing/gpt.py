@@ -1,4 +1,4 @@
-"""A tiny Megatron-Core GPT (local layer spec), its DDP wrapper and a training loop.
+"""A tiny Megatron-Core GPT (local layer spec unless asked otherwise), its DDP wrapper and a training loop.
 
 Used by the oracle tests, the demo and laptop smoke-runs. Everything here is Megatron's own
 code path (GPTModel, Float16Module, DistributedDataParallel, get_megatron_optimizer); only the
@@ -29,6 +29,11 @@ class TinyGPT:
     # output layer is a copy of the first stage's embedding, their gradients summed after the
     # data-parallel reduction.
     tied_embeddings: bool = False
+    # Transformer Engine layers ("transformer_engine", Megatron-LM's --transformer-impl) and their
+    # FP8 GEMMs ("hybrid" or "e4m3", --fp8-format; needs "transformer_engine" and a GPU with FP8).
+    transformer_impl: str = "local"
+    fp8: Optional[str] = None
+    fp8_param: bool = False     # FP8 params, gathered as FP8 (--fp8-param-gather)
 
     @property
     def num_params_estimate(self) -> int:
@@ -68,7 +73,8 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
 
 def build_model(spec: TinyGPT, *, grad_reduce_in_fp32: bool = False, bucket_size: int | None = None,
                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False):
-    """GPTModel (local spec) in bf16/fp16 via Float16Module, wrapped in Megatron's DDP.
+    """GPTModel (local spec, or Transformer Engine's with ``spec.transformer_impl``) in bf16/fp16 via
+    Float16Module, wrapped in Megatron's DDP.
 
     Under pipeline parallelism this rank builds its own stage: the embedding on the first, the
     output layer and loss on the last, ``num_layers / PP`` transformer layers on each. On a GPU
@@ -78,7 +84,7 @@ def build_model(spec: TinyGPT, *, grad_reduce_in_fp32: bool = False, bucket_size
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
 
@@ -93,8 +99,11 @@ def build_model(spec: TinyGPT, *, grad_reduce_in_fp32: bool = False, bucket_size
         hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        **({"fp8": spec.fp8, "fp8_param": spec.fp8_param} if spec.fp8 else {}),
     )
-    model = GPTModel(config=tconf, transformer_layer_spec=get_gpt_layer_local_spec(),
+    layer_spec = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+                  if spec.transformer_impl == "transformer_engine" else gpt_layer_specs.get_gpt_layer_local_spec())
+    model = GPTModel(config=tconf, transformer_layer_spec=layer_spec,
                      vocab_size=spec.vocab_size, max_sequence_length=spec.seq_length,
                      share_embeddings_and_output_weights=spec.tied_embeddings,
                      pre_process=parallel_state.is_pipeline_first_stage(),
@@ -105,6 +114,8 @@ def build_model(spec: TinyGPT, *, grad_reduce_in_fp32: bool = False, bucket_size
         model = Float16Module(tconf, model)
     ddp_kwargs = dict(grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
                       overlap_param_gather=overlap_param_gather, use_distributed_optimizer=True)
+    if spec.fp8_param:
+        ddp_kwargs["fp8_param_gather"] = True   # the FP8 params all-gathered as FP8, as Megatron-LM does
     if bucket_size is not None:
         ddp_kwargs["bucket_size"] = bucket_size
     ddp = DistributedDataParallel(tconf, DistributedDataParallelConfig(**ddp_kwargs), model)

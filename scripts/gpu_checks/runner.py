@@ -11,7 +11,7 @@ import time
 import traceback
 import warnings
 
-from gpu_checks import (checkpoint, device_share, fp16_skip, grad_dtype, overlap, parity, perf, trace,
+from gpu_checks import (checkpoint, device_share, fp16_skip, grad_dtype, overlap, parity, perf, te_fp8, trace,
                         update_behind)
 from gpu_checks.context import Context, record
 from gpu_checks.harness import init_process
@@ -26,13 +26,14 @@ STEPS = (
     ("device_share", device_share.check_device_share, ("device_share",)),
     ("grad_dtype", grad_dtype.check_grad_dtype, ("grad_dtype",)),
     ("checkpoint", checkpoint.check_checkpoint, ("checkpoint",)),
+    ("te_fp8", te_fp8.check_te_fp8, ("te_fp8",)),
     ("trace", trace.check_trace, ("trace",)),
     ("perf", perf.check_perf, ("iteration_time", "memory_saved", "transfer_bandwidth")),
 )
 CHECKS = ("pinned_staging", "d2h_exact", "h2d_exact", "stock_parity", "fp16_skip", "overlap", "update_behind",
           "device_share",
-          "grad_dtype", "checkpoint", "trace", "transfer_bandwidth", "iteration_time", "memory_saved")
-GPU_ONLY = ("pinned_staging", "transfer_bandwidth", "iteration_time", "memory_saved")
+          "grad_dtype", "checkpoint", "te_fp8", "trace", "transfer_bandwidth", "iteration_time", "memory_saved")
+GPU_ONLY = ("pinned_staging", "te_fp8", "transfer_bandwidth", "iteration_time", "memory_saved")
 
 
 def summary(ctx: Context, device: str, started: float) -> dict:
