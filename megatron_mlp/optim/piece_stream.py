@@ -113,6 +113,22 @@ class PieceStream:
                         queue.pop(0)
                     progress = True
 
+    def issue_over_budget(self) -> bool:
+        """Read the next piece into a buffer over the budget (``HostBufferPool``'s ``force``): for a
+        step that nothing in flight can give a piece back to, because only retained buffers (a
+        failed write-back's, the only copy of its new state) hold the pool. False when no piece is
+        left to read."""
+        with self._cond:
+            for t, queue in sorted(self.queues.items(), key=lambda kv: kv[1][0].pos if kv[1] else 1 << 60):
+                if not queue or self.stopped:
+                    continue
+                sub = queue[0]
+                self._issue(sub, self.pool.try_acquire(force=True, nbytes=self.piece_bytes), t)
+                if sub.issued == len(sub.pieces):
+                    queue.pop(0)
+                return True
+        return False
+
     def _issue(self, sub: StreamedSubgroup, buf, t: int) -> None:
         k = sub.issued
         sub.issued += 1

@@ -196,8 +196,39 @@ class StepPipeline:
                 continue
             t0 = time.perf_counter()
             waitables = stream.waitables() + [f.future for f in self.fetching.values()] + list(self.flushing)
+            if not waitables and not stream.busy():
+                stream.pump()   # a write-back that ended since the pump above gave its piece back
+                if not stream.busy() and not stream.issue_over_budget():
+                    self._fetch_over_budget()
+                continue
             wait_futures(waitables, timeout=0.01, return_when=FIRST_COMPLETED)
             self.stats.wait_s += time.perf_counter() - t0
+
+    def _fetch_over_budget(self) -> None:
+        """Nothing is in flight, nothing is ready and no piece is left to read, yet subgroups remain:
+        only retained buffers (a failed write-back's, the only copy of its new state) hold the
+        pool, so a kept subgroup cannot be fetched within the budget. Fetch it over the budget
+        (``over_budget_bytes``), as the whole-buffer pipeline does (``_wait_for_work``), rather than
+        wait for good (a cached subgroup's failed write-back, on a budget of one cached subgroup and
+        fewer pieces than a subgroup has, spun here forever).
+
+        Raises:
+            RuntimeError: nothing is left to fetch either (a bug: the step could never end).
+        """
+        if not self.to_fetch:
+            pool, stream = self.residency.pool, self.stream
+            streamed = [(s.sg.index, s.issued, s.computed, len(s.pieces)) for s in stream.subs]
+            raise RuntimeError(
+                f"the step cannot go on: subgroups {self.remaining} are left, none is in flight, none is ready "
+                f"and none is left to fetch (resident {sorted(self.residency.buffers)}; streamed (subgroup, "
+                f"pieces read, updated, all): {streamed}, "
+                f"{stream.held} of {stream.max_pieces} pieces held, reading {list(stream.reading.values())} of "
+                f"{stream.cap} a tier, stopped {stream.stopped}; pool {pool._in_use_bytes} of {pool.limit_bytes} "
+                f"bytes in use)")
+        idx = self._next_whole_fetch()
+        idx = self.to_fetch[0] if idx is None else idx
+        self.to_fetch.remove(idx)
+        self._start_fetch(idx, self.residency.acquire() or self.residency.acquire(force=True))
 
     def _next_whole_fetch(self) -> int | None:
         """With the pool in pieces: the next whole subgroup (one the step keeps) to fetch, at most

@@ -77,3 +77,23 @@ def test_bench_faults_under_a_host_budget_streams_pieces_and_loses_nothing(disk_
     for kind, k in report["kinds"].items():
         assert k["lost"] == 0 and k["bit_equal"], (kind, k)
         assert k["detected"] == k["injected"] == 1, (kind, k)
+
+
+def test_bench_faults_with_one_cached_subgroup_beside_a_short_stream_neither_hangs_nor_loses_anything(disk_dir):
+    # One cached subgroup beside a stream of fewer pieces than a subgroup has: when a tier's writes
+    # fail, the failed write-back keeps its whole buffer (the only copy of its new state), and the
+    # subgroup the step keeps could not be fetched within the budget -- the step spun for good. It
+    # now goes over the budget by that buffer, as the whole-buffer pipeline does.
+    from megatron_mlp.config import MLPOffloadConfig
+    from megatron_mlp.optim.host_memory import plan_host_memory
+    config = MLPOffloadConfig.from_paths(disk_dir, subgroup_params=160000, host_memory_bytes=3_800_000,
+                                         block_bytes=faults.PIECE_BLOCK_BYTES, calibration="off")
+    memory = plan_host_memory(config, 12 * 163840)
+    assert memory.cache_buffers == 1 and memory.stream_pieces < 10, memory   # a subgroup has 10 pieces
+    r = run_script("faults", "--json", "--steps", "8", "--faults-per-kind", "1", "--checkpoint-every", "2",
+                   "--dir", disk_dir, "--num-params", "640000", "--subgroup-params", "160000",
+                   "--host-memory", "3.8MB", "--kinds", "enospc,tier_vanish", timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for kind, k in json.loads(r.stdout)["kinds"].items():
+        assert k["lost"] == 0 and k["bit_equal"], (kind, k)
+        assert k["detected"] == k["injected"] == 1, (kind, k)

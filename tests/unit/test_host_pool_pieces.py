@@ -9,7 +9,7 @@ import torch
 
 from megatron_mlp.config import MLPOffloadConfig
 from megatron_mlp.errors import IntegrityError
-from megatron_mlp.optim.host_memory import minimum_bytes, piece_buffer_bytes, stream_piece_params
+from megatron_mlp.optim.host_memory import STREAM_PIECES, minimum_bytes, piece_buffer_bytes, stream_piece_params
 from megatron_mlp.optim.offload_adam import OffloadAdam
 from megatron_mlp.optim.reference_adam import ReferenceAdamW
 
@@ -51,7 +51,8 @@ def assert_equal(opt, ref):
         assert torch.equal(got[name], ref.state(name)), name
 
 
-@pytest.mark.parametrize("budget", [5 * PIECE, 16 * PIECE + 3 * REGION + 100], ids=["below-two-buffers", "with-cache"])
+# With cache: a full stream and three whole subgroups, so that three of the nine subgroups stream each step.
+@pytest.mark.parametrize("budget", [5 * PIECE, STREAM_PIECES * PIECE + 3 * REGION + 100], ids=["below-two-buffers", "with-cache"])
 def test_budget_below_two_subgroup_buffers_streams_pieces_and_its_measured_peak_stays_within_it(two_tiers, budget):
     opt, ref = make(two_tiers, budget)
     assert opt.host_memory.streams and opt.host_memory.minimum_bytes <= budget
@@ -232,7 +233,7 @@ def test_kept_subgroups_are_fetched_on_every_tier_at_once_and_the_kernel_follows
     import json
 
     from megatron_mlp.observe.trace import StepTrace
-    opt, ref = make(two_tiers, 16 * PIECE + 4 * REGION + 100)
+    opt, ref = make(two_tiers, STREAM_PIECES * PIECE + 4 * REGION + 100)
     trace_path = tmp_path / "trace.json"
     with opt:
         opt.attach_trace(StepTrace(str(trace_path), (3, 5)))

@@ -14,7 +14,7 @@ import torch
 
 from megatron_mlp.config import MLPOffloadConfig
 from megatron_mlp.errors import TierFailure
-from megatron_mlp.optim.host_memory import piece_buffer_bytes, stream_piece_params
+from megatron_mlp.optim.host_memory import STREAM_PIECES, piece_buffer_bytes, stream_piece_params
 from megatron_mlp.optim.offload_adam import OffloadAdam
 from megatron_mlp.optim.reference_adam import ReferenceAdamW
 
@@ -138,10 +138,12 @@ class GatedWrites:
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_write_backs_complete_behind_the_caller_and_every_reader_waits_for_them(two_tiers, mode):
-    # Room for the held write-back's pieces beside the stream. (A tier's reads and writes share
-    # one lane: the held write must be the tier's last request of the step, hence its last.)
-    budget = MODES[mode]["host_memory_bytes"] * (2 if mode == "pieces" else 1)
+    # Room for the held write-back's pieces beside the stream, one byte short of a cached subgroup
+    # (every subgroup still streams). (A tier's reads and writes share one lane: the held write
+    # must be the tier's last request of the step, hence its last.)
+    budget = STREAM_PIECES * PIECE + REGION - 1 if mode == "pieces" else MODES[mode]["host_memory_bytes"]
     opt = make(two_tiers, mode, GatedWrites, overlap_io=True, host_memory_bytes=budget)
+    assert mode != "pieces" or opt.host_memory.cache_buffers == 0
     ref = ReferenceAdamW(RANGES, GROUPS, torch.randn(N, generator=torch.Generator().manual_seed(0)))
     with opt:
         # The write-back of the step's last subgroup to be written back cannot complete.
