@@ -118,6 +118,27 @@ def train(spec, model, opt, iters, *, first=0, after_backward=None, observe=None
     return run
 
 
+class ForcedGradients:
+    """Stock's gradients of each step, handed to another run at the same step: ``snapshot`` after
+    stock's backward, ``force`` after the other run's (both are ``after_backward`` hooks), so that
+    the two runs differ only by the optimizer's arithmetic."""
+
+    def __init__(self):
+        self.grads = {}
+
+    def snapshot(self, i, model) -> None:
+        self.grads[i] = [b.grad_data.detach().clone() for b in model[0].buffers]
+
+    def force(self, i, model) -> None:
+        for buf, grad in zip(model[0].buffers, self.grads[i]):
+            buf.grad_data.copy_(grad)
+
+
+def params_of(model) -> dict:
+    """The first model chunk's params, copied to the CPU."""
+    return {n: p.detach().cpu().clone() for n, p in model[0].named_parameters()}
+
+
 def release(model, opt) -> None:
     """Close the tiers (the device buffers go with the last reference, see _collect_garbage)."""
     offload = getattr(getattr(inner(opt), "optimizer", None), "offload", None)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from gpu_checks.compare import PARITY_REL_TOL, bitwise_equal, compare_runs, param_agreement
 from gpu_checks.context import Context, record
-from gpu_checks.harness import inner, parity_mlp, parity_spec, train_one
+from gpu_checks.harness import ForcedGradients, inner, params_of, parity_mlp, parity_spec, train_one
 
 
 def check_parity(ctx: Context) -> None:
@@ -20,17 +20,7 @@ def check_parity(ctx: Context) -> None:
     spec = parity_spec(ctx.gpu)
     iters = 10
     d2h, h2d, pinned = [], [], {}
-    stock_grads, stock_params, mlp_params = {}, [], []
-
-    def snapshot_grads(i, model):
-        stock_grads[i] = [b.grad_data.detach().clone() for b in model[0].buffers]
-
-    def force_grads(i, model):
-        for buf, grad in zip(model[0].buffers, stock_grads[i]):
-            buf.grad_data.copy_(grad)
-
-    def params_of(model):
-        return {n: p.detach().cpu().clone() for n, p in model[0].named_parameters()}
+    grads, stock_params, mlp_params = ForcedGradients(), [], []
 
     def observe_stock(i, model, opt):
         stock_params.append(params_of(model))
@@ -45,8 +35,8 @@ def check_parity(ctx: Context) -> None:
         if not pinned:
             pinned.update(grads=staging._grads_host.is_pinned(), params=staging._params_host.is_pinned())
 
-    stock = train_one(ctx, spec, None, iters, after_backward=snapshot_grads, observe=observe_stock)
-    forced = train_one(ctx, spec, parity_mlp(ctx, spec, "parity"), iters, after_backward=force_grads,
+    stock = train_one(ctx, spec, None, iters, after_backward=grads.snapshot, observe=observe_stock)
+    forced = train_one(ctx, spec, parity_mlp(ctx, spec, "parity"), iters, after_backward=grads.force,
                        observe=observe_mlp)
     free = train_one(ctx, spec, parity_mlp(ctx, spec, "free"), iters)
     cmp = compare_runs(forced, stock, PARITY_REL_TOL)

@@ -21,7 +21,7 @@ import dataclasses
 
 from gpu_checks.compare import PARITY_REL_TOL, compare_runs, param_agreement
 from gpu_checks.context import Context, record
-from gpu_checks.harness import build, parity_mlp, parity_spec, release, train
+from gpu_checks.harness import ForcedGradients, build, params_of, parity_mlp, parity_spec, release, train
 
 ITERATIONS = 20
 
@@ -46,21 +46,10 @@ def check_te_fp8(ctx: Context) -> None:
         record(ctx, "te_fp8", ok=None, skipped=True, reason=reason)
         return
     spec = dataclasses.replace(parity_spec(ctx.gpu), transformer_impl="transformer_engine", fp8="hybrid")
-    stock_grads, stock_params, mlp_params = {}, [], []
-
-    def snapshot_grads(i, model):
-        stock_grads[i] = [b.grad_data.detach().clone() for b in model[0].buffers]
-
-    def force_grads(i, model):
-        for buf, grad in zip(model[0].buffers, stock_grads[i]):
-            buf.grad_data.copy_(grad)
-
-    def params_of(model):
-        return {n: p.detach().cpu().clone() for n, p in model[0].named_parameters()}
-
-    stock = _train(spec, None, after_backward=snapshot_grads,
+    grads, stock_params, mlp_params = ForcedGradients(), [], []
+    stock = _train(spec, None, after_backward=grads.snapshot,
                    observe=lambda i, model, opt: stock_params.append(params_of(model)))
-    mlp = _train(spec, parity_mlp(ctx, spec, "te-fp8"), after_backward=force_grads,
+    mlp = _train(spec, parity_mlp(ctx, spec, "te-fp8"), after_backward=grads.force,
                  observe=lambda i, model, opt: mlp_params.append(params_of(model)))
     cmp = compare_runs(mlp, stock, PARITY_REL_TOL)
     agreement = [param_agreement(m, st, 1e-3) for m, st in zip(mlp_params, stock_params)]   # gpt's lr
