@@ -99,7 +99,7 @@ class PieceStream:
             progress = True
             while progress and not self.stopped:
                 progress = False
-                for t, queue in sorted(self.queues.items(), key=lambda kv: kv[1][0].pos if kv[1] else 1 << 60):
+                for t, queue in self._queues_in_order():
                     if not queue or self.reading[t] >= self.cap or self.held >= self.max_pieces:
                         continue
                     if queue[0].issued == 0 and queue[0].sg.index in blocked:
@@ -107,10 +107,7 @@ class PieceStream:
                     buf = self.pool.try_acquire(nbytes=self.piece_bytes)
                     if buf is None:
                         return
-                    sub = queue[0]
-                    self._issue(sub, buf, t)
-                    if sub.issued == len(sub.pieces):
-                        queue.pop(0)
+                    self._issue_next(t, queue, buf)
                     progress = True
 
     def issue_over_budget(self) -> bool:
@@ -119,15 +116,24 @@ class PieceStream:
         failed write-back's, the only copy of its new state) hold the pool. False when no piece is
         left to read."""
         with self._cond:
-            for t, queue in sorted(self.queues.items(), key=lambda kv: kv[1][0].pos if kv[1] else 1 << 60):
+            for t, queue in self._queues_in_order():
                 if not queue or self.stopped:
                     continue
-                sub = queue[0]
-                self._issue(sub, self.pool.try_acquire(force=True, nbytes=self.piece_bytes), t)
-                if sub.issued == len(sub.pieces):
-                    queue.pop(0)
+                self._issue_next(t, queue, self.pool.try_acquire(force=True, nbytes=self.piece_bytes))
                 return True
         return False
+
+    def _queues_in_order(self):
+        """The tiers' queues, the one whose next subgroup comes first in the step's order first."""
+        return sorted(self.queues.items(), key=lambda kv: kv[1][0].pos if kv[1] else 1 << 60)
+
+    def _issue_next(self, t: int, queue: list, buf) -> None:
+        """Read the next piece of the queue's first subgroup into ``buf``; a subgroup whose every
+        piece is read leaves the queue."""
+        sub = queue[0]
+        self._issue(sub, buf, t)
+        if sub.issued == len(sub.pieces):
+            queue.pop(0)
 
     def _issue(self, sub: StreamedSubgroup, buf, t: int) -> None:
         k = sub.issued

@@ -21,7 +21,7 @@ import dataclasses
 
 from gpu_checks.compare import PARITY_REL_TOL, compare_runs, param_agreement
 from gpu_checks.context import Context, record
-from gpu_checks.harness import ForcedGradients, build, params_of, parity_mlp, parity_spec, release, train
+from gpu_checks.harness import ForcedGradients, build, params_of, parity_mlp, parity_spec, release, train_one
 
 ITERATIONS = 20
 
@@ -47,10 +47,10 @@ def check_te_fp8(ctx: Context) -> None:
         return
     spec = dataclasses.replace(parity_spec(ctx.gpu), transformer_impl="transformer_engine", fp8="hybrid")
     grads, stock_params, mlp_params = ForcedGradients(), [], []
-    stock = _train(spec, None, after_backward=grads.snapshot,
-                   observe=lambda i, model, opt: stock_params.append(params_of(model)))
-    mlp = _train(spec, parity_mlp(ctx, spec, "te-fp8"), after_backward=grads.force,
-                 observe=lambda i, model, opt: mlp_params.append(params_of(model)))
+    stock = train_one(ctx, spec, None, ITERATIONS, after_backward=grads.snapshot,
+                      observe=lambda i, model, opt: stock_params.append(params_of(model)))
+    mlp = train_one(ctx, spec, parity_mlp(ctx, spec, "te-fp8"), ITERATIONS, after_backward=grads.force,
+                    observe=lambda i, model, opt: mlp_params.append(params_of(model)))
     cmp = compare_runs(mlp, stock, PARITY_REL_TOL)
     agreement = [param_agreement(m, st, 1e-3) for m, st in zip(mlp_params, stock_params)]   # gpt's lr
     clipped = sum(1 for n in stock.grad_norms if n is not None and n > 1.0)
@@ -61,14 +61,6 @@ def check_te_fp8(ctx: Context) -> None:
            tolerance=PARITY_REL_TOL, params_disagreeing_per_step=[a["elements_disagreeing"] for a in agreement],
            worst_param_element_per_step=[a["worst_element"] for a in agreement],
            fp8_param_gather=refusal, **cmp)
-
-
-def _train(spec, mlp, **hooks):
-    model, opt = build(spec, mlp)
-    try:
-        return train(spec, model, opt, ITERATIONS, **hooks)
-    finally:
-        release(model, opt)
 
 
 def _fp8_param_gather_refusal(ctx: Context, spec) -> dict:
