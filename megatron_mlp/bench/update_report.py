@@ -107,8 +107,11 @@ def format_text(r: UpdateResult) -> str:
     lines.append(f"references (yardsticks from the bandwidth passes, not bounds): I/O {_f(ref['io_s'])} s "
                  f"(MLP-Offload {_x(ref['mlp_vs_io'])}); placement model predicted {_f(ref['predicted_s'])} s"
                  f"{_error(ref['predicted_s'], mlp['seconds'])}"
-                 + (f" on the tiers' bandwidth beside the Adam kernel, {_f(ref['predicted_idle_s'])} s on their idle "
-                    "bandwidth (what plan says)" if ref.get("predicted_idle_s") not in (None, ref["predicted_s"]) else ""))
+                 + (f" (the I/O at the tiers' bandwidth beside the Adam kernel while it runs; every byte at their "
+                    f"idle bandwidth, what plan says: {_f(ref['predicted_idle_s'])} s{_error(ref['predicted_idle_s'], mlp['seconds'])}; "
+                    f"every byte beside the kernel: {_f(ref.get('predicted_beside_s'))} s"
+                    f"{_error(ref.get('predicted_beside_s'), mlp['seconds'])})"
+                    if ref.get("predicted_idle_s") not in (None, ref["predicted_s"]) else ""))
     lines.append(f"the step's kernels alone on {ref['kernel_threads'] or 'every'} thread(s), no I/O: "
                  f"{ref['kernel_s']:.2f} s; step reference, the larger of that and the I/O reference: "
                  f"{ref['step_s']:.2f} s ({_x(ref['mlp_vs_step'])})")

@@ -41,7 +41,9 @@ class UpdateResult:
         paired: the step-by-step rounds: the baseline and MLP-Offload alternating; MLP-Offload and
             the engine alone replaying its bytes (``replay_s``), and what the pipeline costs.
         references: yardsticks, not bounds: ``io_s``, ``kernel_s``, ``step_s``, ``policy_s``, the
-            placement model's ``predicted_s``, and the steps over each.
+            placement model's ``predicted_s`` (with ``predicted_idle_s`` and ``predicted_beside_s``:
+            every byte at the tiers' idle bandwidth, every byte beside the kernel), and the steps
+            over each.
         faster_than_reference: every figure that came in below its reference.
     """
 
@@ -142,10 +144,12 @@ def _placement(args, tiers, budget=None, kernel_s: float = 0.0, kernel_without_i
     """The placement model's plan for this shard, the bytes host memory carries between steps over
     all ranks (the cache and the working buffers' subgroups), and the predicted update time
     (``placement.model.update_seconds``, with the measured kernel time) at ``budget`` (default:
-    the headline one), twice: on the idle bandwidths the run placed its subgroups with (what
-    ``plan`` and the optimizer's log say for these tiers), and on each real tier's bandwidth
-    beside the Adam kernel (``alongside_adam`` in ``bandwidth``, where measured: a step runs its
-    I/O beside the kernel), for the same layout."""
+    the headline one), for the same layout three ways: the model's prediction (``predicted_s``:
+    the I/O at each real tier's bandwidth beside the Adam kernel -- ``alongside_adam`` in
+    ``bandwidth``, where measured -- while the kernels run, at the idle bandwidth otherwise), and
+    its two ends: every byte at the idle bandwidths the run placed its subgroups with (what ``plan``
+    and the optimizer's log say for these tiers; ``predicted_idle_s``), every byte beside the
+    kernel (``predicted_beside_s``)."""
     from megatron_mlp.optim.placement import host_memory_for, plan_for, warm_subgroups
     from megatron_mlp.optim.placement.model import at_rates, update_seconds
     from megatron_mlp.optim.subgroups import SubgroupPlan
@@ -156,11 +160,16 @@ def _placement(args, tiers, budget=None, kernel_s: float = 0.0, kernel_without_i
     placement = plan_for(plan, config, args.ranks, memory=memory)
     warm_bytes = warm_subgroups(config, memory) * plan.max_region_bytes * args.ranks
     idle_s = update_seconds(placement, memory, kernel_s, kernel_without_io_s)
-    beside = [dataclasses.replace(t, read_bytes_per_s=t.read_bytes_per_s * bw["alongside_adam"]["read_vs_idle"],
-                                  write_bytes_per_s=t.write_bytes_per_s * bw["alongside_adam"]["write_vs_idle"])
-              if bw.get("alongside_adam") else t for t, bw in zip(placement.tiers, bandwidth or [{}] * len(tiers))]
-    beside_s = update_seconds(at_rates(placement, beside), memory, kernel_s, kernel_without_io_s)
-    return placement, warm_bytes, memory.cache_bytes * args.ranks + warm_bytes, beside_s, idle_s
+    beside_tiers = [dataclasses.replace(t, read_bytes_per_s=t.read_bytes_per_s * bw["alongside_adam"]["read_vs_idle"],
+                                        write_bytes_per_s=t.write_bytes_per_s * bw["alongside_adam"]["write_vs_idle"])
+                    if bw.get("alongside_adam") else t
+                    for t, bw in zip(placement.tiers, bandwidth or [{}] * len(tiers))]
+    beside = at_rates(placement, beside_tiers)
+    beside_s = update_seconds(beside, memory, kernel_s, kernel_without_io_s)
+    predicted_s = update_seconds(placement, memory, kernel_s, kernel_without_io_s, beside=beside)
+    held = memory.cache_bytes * args.ranks + warm_bytes
+    return placement, warm_bytes, held, {"predicted_s": predicted_s, "predicted_idle_s": idle_s,
+                                         "predicted_beside_s": beside_s}
 
 
 def _paired(results, io_reference_s: float) -> dict:
@@ -204,7 +213,7 @@ def summarize(args, tiers, bandwidth, results, bandwidth_after=None) -> UpdateRe
     io_reference_s = max(row["io_reference_s"] for row in tier_rows)
     kernel_s = max(r["kernel_reference"]["seconds"] for r in results)
     kernel_without_io_s = max(r["kernel_reference"]["without_io_seconds"] for r in results)
-    placement, warm_bytes, held_bytes, predicted_s, predicted_idle_s = _placement(
+    placement, warm_bytes, held_bytes, predicted = _placement(
         args, tiers, kernel_s=kernel_s, bandwidth=bandwidth, kernel_without_io_s=kernel_without_io_s)
     # Bytes of state over all ranks: fp32 params, exp_avg, exp_avg_sq.
     policy_s = fluid_update_seconds(12.0 * args.num_params, held_bytes, reference_bw)
@@ -215,15 +224,13 @@ def summarize(args, tiers, bandwidth, results, bandwidth_after=None) -> UpdateRe
     # double buffers.
     mlp_host = max(r["variants"][mlp_index]["host_bytes"] for r in results)
     sweep = [{"host_memory_bytes": args.host_memory, "mlp_s": mlp_s, "speedup": mlp["speedup"],
-              "mlp_host_bytes": mlp_host, "host_memory": mlp_variant["host_memory"], "predicted_s": predicted_s,
-              "predicted_idle_s": predicted_idle_s}]
+              "mlp_host_bytes": mlp_host, "host_memory": mlp_variant["host_memory"], **predicted}]
     for budget in args.host_memory_list[1:]:
         i, row = sweep_rows[sweep_name(budget)]
         sweep.append({"host_memory_bytes": budget, "mlp_s": row["seconds"], "speedup": row["speedup"],
                       "mlp_host_bytes": max(r["variants"][i]["host_bytes"] for r in results),
                       "host_memory": results[0]["variants"][i]["host_memory"],
-                      **dict(zip(("predicted_s", "predicted_idle_s"),
-                                 _placement(args, tiers, budget, *_kernel_times(results, i), bandwidth)[3:]))})
+                      **_placement(args, tiers, budget, *_kernel_times(results, i), bandwidth)[3]})
     state_rows = [_state_dtype_row(results, mlp_index, mlp, "fp32")]
     for d in getattr(args, "state_dtypes", ["fp32"])[1:]:
         i, row = sweep_rows[state_dtype_name(d)]
@@ -233,8 +240,7 @@ def summarize(args, tiers, bandwidth, results, bandwidth_after=None) -> UpdateRe
                   "kernel_s": kernel_s, "kernel_threads": results[0]["kernel_reference"]["threads"],
                   "kernel_without_io_s": kernel_without_io_s,
                   "step_s": step_s, "mlp_vs_step": _ratio(mlp_s, step_s),
-                  "policy_s": policy_s, "predicted_s": predicted_s, "predicted_idle_s": predicted_idle_s,
-                  "predicted_io_s": placement.total_seconds}
+                  "policy_s": policy_s, **predicted, "predicted_io_s": placement.total_seconds}
     result = UpdateResult(
         machine={"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         config={"paths": args.paths, "num_params": args.num_params, "subgroup_params": args.subgroup_params,

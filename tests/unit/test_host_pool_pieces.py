@@ -1,6 +1,7 @@
 """The host pool in pieces: a budget below two subgroup buffers runs, streaming pieces, bit for bit."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 
@@ -141,6 +142,28 @@ def test_predicted_update_overlaps_tiers_and_kernel_when_the_pool_streams_pieces
     ends = 2 * PIECE / 1e6
     assert update_seconds(placement, memory) == pytest.approx(io + ends)
     assert update_seconds(placement, memory, kernel_seconds=10 * io) == pytest.approx(10 * io + ends)
+
+
+def test_predicted_io_moves_at_the_rates_beside_the_kernel_only_while_the_kernel_runs():
+    from megatron_mlp.optim.placement.model import at_rates, update_seconds
+    placement, memory = _placement_and_memory(5 * PIECE)
+    io, ends = placement.total_seconds, 2 * PIECE / 1e6
+    # Beside the kernel every tier moves at half its idle bandwidth: the I/O takes twice as long.
+    beside = at_rates(placement, [dataclasses.replace(t, read_bytes_per_s=t.read_bytes_per_s / 2,
+                                                      write_bytes_per_s=t.write_bytes_per_s / 2)
+                                  for t in placement.tiers])
+    assert beside.total_seconds == pytest.approx(2 * io)
+    # A kernel of half the I/O's idle time: a quarter of the bytes move beside it (io / 2 seconds at
+    # half speed), the other three quarters at the idle rate afterwards.
+    assert update_seconds(placement, memory, io / 2, beside=beside) == pytest.approx(io / 2 + 0.75 * io + ends)
+    # No kernel, or no measurement beside it: every byte at the idle rates.
+    assert update_seconds(placement, memory, 0.0, beside=beside) == pytest.approx(io + ends)
+    assert update_seconds(placement, memory, io / 2) == pytest.approx(io + ends)
+    # A kernel that outlasts the I/O even at the slower rates: the step is the kernel.
+    assert update_seconds(placement, memory, 3 * io, beside=beside) == pytest.approx(3 * io + ends)
+    # The rates beside the kernel are those of the same layout: the same tiers at the same rates
+    # predict the same as none.
+    assert update_seconds(placement, memory, io / 2, beside=placement) == update_seconds(placement, memory, io / 2)
 
 
 def test_predicted_update_of_a_state_that_stays_in_host_memory_is_its_kernels_on_every_core():

@@ -68,12 +68,17 @@ def test_bench_update_reports_baseline_mlp_ablation_and_references_when_run_tiny
         alongside = s["tiers"][0]["alongside_adam"]
         assert alongside["write_bytes_per_s"] > 0 and alongside["read_bytes_per_s"] > 0
         assert alongside["write_vs_idle"] > 0 and alongside["read_vs_idle"] > 0
-    # The prediction on the bandwidth a step sees (beside the kernel, where measured) and on the idle
-    # bandwidth plan uses; the same where nothing was measured beside the kernel.
-    assert s["references"]["predicted_idle_s"] > 0
-    assert s["sweep"][0]["predicted_idle_s"] == s["references"]["predicted_idle_s"]
+    # The prediction (the I/O beside the kernel while it runs, where measured) lies between its two
+    # ends, every byte at the idle bandwidth plan uses and every byte beside the kernel; all three
+    # are the same where nothing was measured beside the kernel.
+    ref = s["references"]
+    assert ref["predicted_idle_s"] > 0
+    assert s["sweep"][0]["predicted_idle_s"] == ref["predicted_idle_s"]
+    assert s["sweep"][0]["predicted_s"] == ref["predicted_s"]
+    ends = sorted((ref["predicted_idle_s"], ref["predicted_beside_s"]))
+    assert ends[0] - 1e-9 <= ref["predicted_s"] <= ends[1] + 1e-9
     if skip_interference:
-        assert s["references"]["predicted_s"] == s["references"]["predicted_idle_s"]
+        assert ref["predicted_s"] == ref["predicted_idle_s"] == ref["predicted_beside_s"]
     # What must hold whatever the timing: MLP-Offload moves fewer bytes than the baseline (no
     # gradients, the pool carries 7 of 12 subgroups over) on the tiers its placement chose.
     mlp_moved = sum(t["mlp_bytes_read_per_step"] + t["mlp_bytes_written_per_step"] for t in s["tiers"])

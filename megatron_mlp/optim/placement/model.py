@@ -334,7 +334,7 @@ def at_rates(placement: Placement, tiers: Sequence[PlacementTier]) -> Placement:
 
 
 def update_seconds(placement: Placement, memory=None, kernel_seconds: float = 0.0,
-                   kernel_seconds_without_io: float | None = None) -> float:
+                   kernel_seconds_without_io: float | None = None, beside: Placement | None = None) -> float:
     """The predicted update time of one step: the one function ``plan``, ``bench update`` and the
     optimizer's log use. It knows the host pool (``memory``, a ``HostMemoryPlan``):
 
@@ -352,8 +352,15 @@ def update_seconds(placement: Placement, memory=None, kernel_seconds: float = 0.
     ``kernel_seconds``: the step's kernels alone on the cores a step leaves them beside its I/O (0:
     I/O only). ``kernel_seconds_without_io``: the same kernels on every core, which they get when
     the whole state stays in host memory and nothing moves (default: ``kernel_seconds``).
+
+    ``beside``: the same layout at the tiers' bandwidth measured while the Adam kernel runs
+    (:func:`at_rates`). Where storage competes with the cores for memory bandwidth (a virtual
+    disk, a tmpfs, a page cache) the I/O is slower only while a kernel runs: for the kernels'
+    ``kernel_seconds`` it moves at the ``beside`` rates, the rest of its bytes at the idle ones.
+    Without it every byte moves at the idle rates (what ``plan`` knows); with every byte at the
+    ``beside`` rates the prediction would charge the slowdown for time no kernel runs.
     """
-    io = placement.total_seconds
+    io = _overlapped_io_seconds(placement, beside, kernel_seconds)
     if memory is None:
         return max(io, kernel_seconds)
     if not memory.streams and memory.prefetch_depth == 0 and not placement.warm_subgroups:
@@ -367,3 +374,15 @@ def update_seconds(placement: Placement, memory=None, kernel_seconds: float = 0.
                unit * (t.ranks_sharing or ranks) / t.write_bytes_per_s
                for t in (placement.tiers[j] for j in moving))
     return max(io, kernel_seconds) + ends
+
+
+def _overlapped_io_seconds(placement: Placement, beside: Placement | None, kernel_seconds: float) -> float:
+    """The step's I/O time when it runs at ``beside``'s rates for the kernels' ``kernel_seconds``
+    and at ``placement``'s (idle) rates otherwise: the share of the bytes moved beside the kernels
+    is ``kernel_seconds / beside.total_seconds``; all of it when the kernels take longer."""
+    idle = placement.total_seconds
+    if beside is None or kernel_seconds <= 0 or beside.total_seconds <= 0 or beside.total_seconds == idle:
+        return idle   # (the formula below gives the same, but rounded)
+    if kernel_seconds >= beside.total_seconds:
+        return beside.total_seconds
+    return kernel_seconds + (1.0 - kernel_seconds / beside.total_seconds) * idle
