@@ -142,6 +142,11 @@ def test_predicted_update_overlaps_tiers_and_kernel_when_the_pool_streams_pieces
     ends = 2 * PIECE / 1e6
     assert update_seconds(placement, memory) == pytest.approx(io + ends)
     assert update_seconds(placement, memory, kernel_seconds=10 * io) == pytest.approx(10 * io + ends)
+    # Kernels that outlast the I/O run beside it on the cores it leaves them (4 io seconds of work
+    # at that pace), then on every core (2 io seconds at that pace): a quarter done beside the I/O,
+    # the other three quarters afterwards at the faster pace.
+    assert update_seconds(placement, memory, kernel_seconds=4 * io, kernel_seconds_without_io=2 * io) == \
+        pytest.approx(io + 0.75 * 2 * io + ends)
 
 
 def test_predicted_io_moves_at_the_rates_beside_the_kernel_only_while_the_kernel_runs():

@@ -343,6 +343,9 @@ def update_seconds(placement: Placement, memory=None, kernel_seconds: float = 0.
       shared limit, the alternating order's cache hits) and the kernel overlap; the step is the
       slower of the two plus the pipeline's ends: the first unit read before the first kernel and
       the last written after the last one (a piece, or a whole subgroup), on the slowest tier.
+      Each side goes at its slower pace only while the other runs: kernels that outlast the I/O
+      finish on every core (``kernel_seconds_without_io``), I/O that outlasts the kernels finishes
+      at the idle bandwidth (``beside``, below).
     * **Two whole-subgroup buffers** (no prefetch): every read waits for a write-back to free a
       buffer, on whatever tier that goes, so the tiers do not overlap: the sum of their times,
       plus the kernel, which waits for each read.
@@ -373,7 +376,18 @@ def update_seconds(placement: Placement, memory=None, kernel_seconds: float = 0.
     ends = max(unit * (t.ranks_sharing or ranks) / t.read_bytes_per_s +
                unit * (t.ranks_sharing or ranks) / t.write_bytes_per_s
                for t in (placement.tiers[j] for j in moving))
-    return max(io, kernel_seconds) + ends
+    return _overlapped_kernel_seconds(io, kernel_seconds, kernel_seconds_without_io) + ends
+
+
+def _overlapped_kernel_seconds(io: float, kernel_seconds: float, kernel_seconds_without_io: float | None) -> float:
+    """The I/O and the kernels overlapped: the I/O's ``io`` seconds when the kernels fit beside it;
+    otherwise the kernels run on the cores the I/O leaves them for those ``io`` seconds and on
+    every core afterwards (``fused_adam.threads_beside_io`` decides per call), so the rest of
+    their work goes at ``kernel_seconds_without_io``'s pace."""
+    if io >= kernel_seconds:
+        return io
+    every_core = kernel_seconds if kernel_seconds_without_io is None else kernel_seconds_without_io
+    return io + (1.0 - io / kernel_seconds) * every_core
 
 
 def _overlapped_io_seconds(placement: Placement, beside: Placement | None, kernel_seconds: float) -> float:
