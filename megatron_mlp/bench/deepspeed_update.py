@@ -128,22 +128,23 @@ class DeepSpeedZero3Update:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def measure(path: str, numel: int, subgroup_params: int, grads, steps: int, *, block_bytes: int,
-            queue_depth: int) -> dict:
-    """DeepSpeed's update on this workload: per-step seconds (its backward gradient write before
-    each, timed apart), or ``{"unavailable": reason}``."""
+def start(path: str, numel: int, subgroup_params: int, *, block_bytes: int,
+          queue_depth: int) -> tuple["DeepSpeedZero3Update | None", str | None]:
+    """DeepSpeed's update on this workload, ready to step, or None and why it could not start."""
     reason = deepspeed_unavailable_reason()
     if reason is not None:
-        return {"unavailable": reason}
+        return None, reason
     try:
-        ds = DeepSpeedZero3Update(path, numel, subgroup_params, block_bytes=block_bytes, queue_depth=queue_depth)
+        return DeepSpeedZero3Update(path, numel, subgroup_params, block_bytes=block_bytes,
+                                    queue_depth=queue_depth), None
     except Exception as e:  # noqa: BLE001 -- its op build can fail on a user's machine: report it
-        return {"unavailable": f"deepspeed could not start ({type(e).__name__}: {e})".splitlines()[0][:200]}
-    try:
-        steps_s, backward_s = [], []
-        for _ in range(steps):
-            backward_s.append(ds.backward_write_grads(grads))
-            steps_s.append(ds.step())
-        return {"steps_s": steps_s, "backward_s": backward_s, "host_bytes": ds.host_bytes}
-    finally:
-        ds.close()
+        return None, f"deepspeed could not start ({type(e).__name__}: {e})".splitlines()[0][:200]
+
+
+def measure(ds: "DeepSpeedZero3Update", grads, steps: int) -> dict:
+    """Per-step seconds of ``ds``'s update, each after its backward gradient write (timed apart)."""
+    steps_s, backward_s = [], []
+    for _ in range(steps):
+        backward_s.append(ds.backward_write_grads(grads))
+        steps_s.append(ds.step())
+    return {"steps_s": steps_s, "backward_s": backward_s, "host_bytes": ds.host_bytes}

@@ -109,6 +109,7 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
                  read_limit_bytes_per_s=int(tiers[0].qos_bytes_per_s or 0),
                  write_limit_bytes_per_s=int(tiers[0].qos_bytes_per_s or 0))
     base = ZeroStyleOffload(tiers[0].path, numel, args.subgroup_params, eng, adam_threads=args.adam_threads)
+    ds = None
     try:
         steps, backward = [], []
         for _ in range(args.steps):
@@ -116,12 +117,14 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
             backward.append(backward_s)
             steps.append(step_s)
         if args.vs_deepspeed:
-            # DeepSpeed itself on the same subgroups and path, right after the re-implementation of its policy.
+            # DeepSpeed itself on the same subgroups and path, right after the re-implementation of
+            # its policy. It stays open, as the baseline does, for its own paired rounds.
             from megatron_mlp.bench import deepspeed_update
             barrier.wait()
-            result["deepspeed"] = deepspeed_update.measure(tiers[0].path, numel, args.subgroup_params, grads,
-                                                           args.steps, block_bytes=args.io_block_bytes,
-                                                           queue_depth=args.io_queue_depth)
+            ds, reason = deepspeed_update.start(tiers[0].path, numel, args.subgroup_params,
+                                                block_bytes=args.io_block_bytes, queue_depth=args.io_queue_depth)
+            result["deepspeed"] = {"unavailable": reason} if ds is None else deepspeed_update.measure(
+                ds, grads, args.steps)
         result["baseline"] = {"steps_s": steps, "backward_s": backward, "last": base.last,
                               "peak_host_bytes": base.peak_host_bytes}
 
@@ -159,7 +162,10 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
                                            "state_bytes": opt.plan.state_bytes})
                 if name == MLP_NAME:
                     result["paired"] = _paired_steps(args, tiers, numel, opt, base, stats, grads, params_out,
-                                                     barrier)
+                                                     barrier, ds)
+                    if ds is not None:   # its host memory back before the sweep and the reruns
+                        ds.close()
+                        ds = None
             finally:
                 opt.close()
                 del opt
@@ -172,6 +178,8 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
                 barrier.wait()
                 result["variants"][-1]["kernel_reference"] = kernel_reference(args, numel, grads, params_out, stats)
     finally:
+        if ds is not None:
+            ds.close()
         base.close()
         eng.close()
         del base
@@ -194,8 +202,9 @@ def _baseline_step(base, grads, params_out, barrier) -> tuple[float, float]:
     return backward_s, base.step(params_out)
 
 
-def _paired_steps(args, tiers, numel, opt, base, stats, grads, params_out, barrier) -> dict:
-    """Two phases of ``args.steps`` rounds each, whose steps run seconds apart and so see the same disk.
+def _paired_steps(args, tiers, numel, opt, base, stats, grads, params_out, barrier, ds=None) -> dict:
+    """Two phases of ``args.steps`` rounds each (three with ``ds``), whose steps run seconds apart
+    and so see the same disk.
 
     1. A step of MLP-Offload, then the engine alone moving the bytes of one of its steady steps
        (bench/replay.py): what the pipeline costs.
@@ -204,6 +213,8 @@ def _paired_steps(args, tiers, numel, opt, base, stats, grads, params_out, barri
        Each side runs right after the other's I/O; whatever a disk is still settling from (a
        hypervisor's write-back, say) falls mostly on MLP-Offload, since the baseline moves several
        times its bytes.
+    3. With ``ds`` (DeepSpeed's own update, ``--vs-deepspeed``): the same as 2 with DeepSpeed's
+       step (its backward gradient write before it, untimed) in the baseline's place.
     They are separate so that the replay's pairs are not disturbed by the baseline's traffic."""
     from megatron_mlp.bench.replay import IOReplay
     from megatron_mlp.optim.subgroups import SubgroupPlan
@@ -229,8 +240,19 @@ def _paired_steps(args, tiers, numel, opt, base, stats, grads, params_out, barri
         base_steps.append(_baseline_step(base, grads, params_out, barrier)[1])
         barrier.wait()
         mlp_beside_base.append(mlp_step())
-    return {"mlp_steps_s": mlp_steps, "replay_steps_s": replay_steps, "moves": moves,
-            "baseline_steps_s": base_steps, "mlp_beside_baseline_steps_s": mlp_beside_base}
+    out = {"mlp_steps_s": mlp_steps, "replay_steps_s": replay_steps, "moves": moves,
+           "baseline_steps_s": base_steps, "mlp_beside_baseline_steps_s": mlp_beside_base}
+    if ds is not None:
+        ds_steps, mlp_beside_ds = [], []
+        for _ in range(args.steps):
+            barrier.wait()
+            ds.backward_write_grads(grads)
+            barrier.wait()
+            ds_steps.append(ds.step())
+            barrier.wait()
+            mlp_beside_ds.append(mlp_step())
+        out.update(deepspeed_steps_s=ds_steps, mlp_beside_deepspeed_steps_s=mlp_beside_ds)
+    return out
 
 
 def kernel_reference(args, numel, grads, params_out, stats, passes: int = 3) -> dict:

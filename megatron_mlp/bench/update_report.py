@@ -59,7 +59,9 @@ def _deepspeed_line(ds: dict) -> str:
     return (f"DeepSpeed's own update (its aio handle + DeepSpeedCPUAdam, same subgroups and path): "
             f"{ds['seconds']:.2f} s (min {ds['min_s']:.2f}, max {ds['max_s']:.2f}); the baseline takes "
             f"{_x(ds['baseline_vs_deepspeed'])} its time; host memory {ds['host_bytes'] / GB:.2f} GB; "
-            f"MLP-Offload is {_f(ds['speedup_vs_deepspeed'])}x faster than it")
+            f"MLP-Offload is {_f(ds['speedup_vs_deepspeed'])}x faster than it"
+            + (f"; alternating step by step with it: {ds['paired_s']:.2f} s against {ds['mlp_beside_deepspeed_s']:.2f} s "
+               f"-> {_f(ds['paired_speedup_vs_deepspeed'])}x" if ds.get("paired_s") is not None else ""))
 
 
 def format_text(r: UpdateResult) -> str:

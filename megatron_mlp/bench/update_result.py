@@ -297,7 +297,16 @@ def _deepspeed_summary(results, baseline_s: float, mlp_s: float) -> dict:
         return {"unavailable": reasons[0]}
     steps = per_step_max(results, lambda r: r["deepspeed"]["steps_s"])
     med, lo, hi = steady(steps)
-    return {"seconds": med, "min_s": lo, "max_s": hi, "steps_s": steps,
+    paired = {}
+    if all("deepspeed_steps_s" in r["paired"] for r in results):
+        # Its steps alternating with MLP-Offload's (``update_rank._paired_steps``, phase 3): the
+        # ratio free of the drift between DeepSpeed's phase of the run and MLP-Offload's.
+        ds_s = steady(per_step_max(results, lambda r: r["paired"]["deepspeed_steps_s"]))[0]
+        beside = per_step_max(results, lambda r: r["paired"]["mlp_beside_deepspeed_steps_s"])
+        beside_s = steady(beside)[0]
+        paired = {"paired_s": ds_s, "mlp_beside_deepspeed_s": beside_s, "mlp_beside_deepspeed_steps_s": beside,
+                  "paired_speedup_vs_deepspeed": ds_s / beside_s if beside_s > 0 else None}
+    return {"seconds": med, "min_s": lo, "max_s": hi, "steps_s": steps, **paired,
             "backward_s": steady(per_step_max(results, lambda r: r["deepspeed"]["backward_s"]))[0],
             "host_bytes": max(r["deepspeed"]["host_bytes"] for r in results),
             "baseline_vs_deepspeed": baseline_s / med if med > 0 else None,

@@ -416,6 +416,59 @@ def test_vs_deepspeed_runs_deepspeeds_own_update_on_the_same_subgroups(capfd, di
     assert ds["seconds"] > 0 and len(ds["steps_s"]) == 3 and ds["host_bytes"] > 0
     assert ds["baseline_vs_deepspeed"] == pytest.approx(s["baseline"]["seconds"] / ds["seconds"])
     assert ds["speedup_vs_deepspeed"] == pytest.approx(ds["seconds"] / s["mlp"]["seconds"])
+    assert ds["paired_speedup_vs_deepspeed"] == pytest.approx(ds["paired_s"] / ds["mlp_beside_deepspeed_s"])
+
+
+def test_vs_deepspeed_alternates_deepspeeds_steps_with_mlp_offloads_for_a_ratio_free_of_drift(capsys, disk_dir,
+                                                                                                  monkeypatch):
+    # DeepSpeed's update stands for itself (its own phase) and, like the baseline, alternates step
+    # by step with MLP-Offload's; it gives its host memory back before the sweep's budgets run.
+    from megatron_mlp.bench import deepspeed_update
+    from megatron_mlp.optim import offload_adam
+    events = []
+
+    class FakeDeepSpeed:
+        host_bytes = 1234
+
+        def __init__(self, path, numel, subgroup_params, *, block_bytes, queue_depth):
+            assert path == disk_dir and numel == 300_000 and subgroup_params == 50_000
+            events.append("start")
+
+        def backward_write_grads(self, grads):
+            events.append("ds backward")
+            return 0.5
+
+        def step(self):
+            events.append("ds step")
+            return 7.0
+
+        def close(self):
+            events.append("ds close")
+
+    real_step = offload_adam.OffloadAdam.step
+
+    def step(self, *a, **k):
+        events.append("mlp step")
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(deepspeed_update, "deepspeed_unavailable_reason", lambda: None)
+    monkeypatch.setattr(deepspeed_update, "DeepSpeedZero3Update", FakeDeepSpeed)
+    monkeypatch.setattr(offload_adam.OffloadAdam, "step", step)
+    s = run_json(capsys, "--paths", disk_dir, "--num-params", "300000", "--subgroup-params", "50000",
+                 "--calib-bytes", "4MB", "--steps", "3", "--no-ablation", "--no-interference", "--vs-deepspeed",
+                 "--host-memory", "2MB,4MB")
+    ds = s["deepspeed"]
+    assert ds["seconds"] == ds["paired_s"] == 7.0 and ds["host_bytes"] == 1234
+    assert ds["paired_speedup_vs_deepspeed"] == pytest.approx(7.0 / ds["mlp_beside_deepspeed_s"])
+    assert len(ds["mlp_beside_deepspeed_steps_s"]) == 3
+    # Its own phase (3 steps, each after its backward), then three rounds of its step and one of
+    # MLP-Offload's right after it, then it closes before the sweep's budget runs.
+    first_paired = events.index("ds step", events.index("mlp step"))
+    assert events[:7] == ["start"] + ["ds backward", "ds step"] * 3
+    assert events[first_paired - 1:first_paired + 8] == ["ds backward", "ds step", "mlp step"] * 3
+    close = events.index("ds close")
+    assert close == first_paired + 8 and events.count("ds close") == 1
+    assert events[close + 1:].count("mlp step") == 3, "the sweep's budget runs after DeepSpeed closed"
 
 
 def test_deepspeeds_own_update_computes_adamw_over_every_subgroup(disk_dir):
