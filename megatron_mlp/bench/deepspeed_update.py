@@ -51,7 +51,9 @@ class DeepSpeedZero3Update:
             aio = AsyncIOBuilder().load(verbose=False)
             # DeepSpeed's ZeRO-Infinity defaults: single submit off, overlap events on, one thread.
             self.handle = aio.aio_handle(block_bytes, queue_depth, False, True, 1)
-        self.dir = tempfile.mkdtemp(prefix="mlp-offload-deepspeed-", dir=path)
+        # Not named like MLP-Offload's scratch (tier.stale.SCRATCH_PREFIX): it stays open beside
+        # MLP-Offload's steps, whose start would report it as a stale scratch directory.
+        self.dir = tempfile.mkdtemp(prefix="deepspeed-swap-", dir=path)
         self.bounds = [(a, min(a + subgroup_params, numel)) for a in range(0, numel, subgroup_params)]
         # Every array padded to 4096 bytes: DeepSpeed's aio handle silently writes nothing when a
         # request's bytes per thread are not a multiple of 512 (its swapper aligns them the same way).
