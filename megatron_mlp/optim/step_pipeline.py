@@ -223,7 +223,7 @@ class StepPipeline:
                 f"and none is left to fetch (resident {sorted(self.residency.buffers)}; streamed (subgroup, "
                 f"pieces read, updated, all): {streamed}, "
                 f"{stream.held} of {stream.max_pieces} pieces held, reading {list(stream.reading.values())} of "
-                f"{stream.cap} a tier, stopped {stream.stopped}; pool {pool._in_use_bytes} of {pool.limit_bytes} "
+                f"{stream.cap} a tier, stopped {stream.stopped}; pool {pool.in_use_bytes} of {pool.limit_bytes} "
                 f"bytes in use)")
         idx = self._next_whole_fetch()
         idx = self.to_fetch[0] if idx is None else idx
