@@ -196,10 +196,26 @@ def trace_path(path: str, rank: int) -> str:
 def _baseline_step(base, grads, params_out, barrier) -> tuple[float, float]:
     """One step of the baseline as training runs it: its backward gradient write, then its update.
     Returns both times (seconds)."""
+    return _step_after_backward(base, grads, barrier, params_out)
+
+
+def _step_after_backward(side, grads, barrier, *step_args) -> tuple[float, float]:
+    """One step of a ZeRO-3-style side (the baseline, DeepSpeed's own update) as training runs it:
+    its backward gradient write, then ``side.step(*step_args)``. Returns both times (seconds)."""
     barrier.wait()
-    backward_s = base.backward_write_grads(grads)
+    backward_s = side.backward_write_grads(grads)
     barrier.wait()
-    return backward_s, base.step(params_out)
+    return backward_s, side.step(*step_args)
+
+
+def _alternating(steps: int, barrier, other_step, mlp_step) -> tuple[list, list]:
+    """``steps`` rounds of ``other_step()`` then ``mlp_step()``: each one's seconds, per round."""
+    other, mlp = [], []
+    for _ in range(steps):
+        other.append(other_step())
+        barrier.wait()
+        mlp.append(mlp_step())
+    return other, mlp
 
 
 def _paired_steps(args, tiers, numel, opt, base, stats, grads, params_out, barrier, ds=None) -> dict:
@@ -235,22 +251,13 @@ def _paired_steps(args, tiers, numel, opt, base, stats, grads, params_out, barri
             mlp_steps.append(mlp_step())
             barrier.wait()
             replay_steps.append(replay.step())
-    base_steps, mlp_beside_base = [], []
-    for _ in range(args.steps):
-        base_steps.append(_baseline_step(base, grads, params_out, barrier)[1])
-        barrier.wait()
-        mlp_beside_base.append(mlp_step())
+    base_steps, mlp_beside_base = _alternating(
+        args.steps, barrier, lambda: _baseline_step(base, grads, params_out, barrier)[1], mlp_step)
     out = {"mlp_steps_s": mlp_steps, "replay_steps_s": replay_steps, "moves": moves,
            "baseline_steps_s": base_steps, "mlp_beside_baseline_steps_s": mlp_beside_base}
     if ds is not None:
-        ds_steps, mlp_beside_ds = [], []
-        for _ in range(args.steps):
-            barrier.wait()
-            ds.backward_write_grads(grads)
-            barrier.wait()
-            ds_steps.append(ds.step())
-            barrier.wait()
-            mlp_beside_ds.append(mlp_step())
+        ds_steps, mlp_beside_ds = _alternating(
+            args.steps, barrier, lambda: _step_after_backward(ds, grads, barrier)[1], mlp_step)
         out.update(deepspeed_steps_s=ds_steps, mlp_beside_deepspeed_steps_s=mlp_beside_ds)
     return out
 
