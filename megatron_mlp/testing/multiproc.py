@@ -23,7 +23,12 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+    import faulthandler
     import warnings
+
+    # A rank killed by a signal (SIGSEGV, or SIGABRT from glibc's heap checks) prints every
+    # thread's Python stack first, so a crash in a test says where each thread was.
+    faulthandler.enable(all_threads=True)
 
     import torch
     import torch.distributed as dist
