@@ -6,6 +6,10 @@ else is changed, so what runs is Megatron's own code. It serves the tests (oracl
 Megatron's DistributedOptimizer on gloo) and users (a laptop smoke-run of a configuration
 before a cluster job).
 
+One patch is about gloo, not CUDA: patch 9 (``gloo_coalesced``) issues gloo's coalesced
+all-gathers one by one, because torch's gloo backend corrupts the heap when two of them are in
+flight, which Megatron's overlapped param gather does.
+
 Installing is idempotent and process-wide; ``uninstall_cpu_harness()`` undoes it (tests).
 On a machine where CUDA is available the harness refuses to install: it would silently move a
 real GPU run to the CPU.
@@ -29,6 +33,8 @@ import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megatron_mlp.testing import gloo_coalesced
 
 _LOCK = threading.Lock()
 _STATE: dict = {}
@@ -327,6 +333,9 @@ def install_cpu_harness(half_matmul: str | None = None) -> None:
         torch.cuda.synchronize = lambda device=None: None
         # Patch 6 (see CpuStream).
         torch.cuda.current_stream = lambda device=None: _CPU_STREAM
+        # Patch 9: gloo's coalesced all-gather corrupts the heap when two are in flight; issue
+        # the collected all-gathers one by one (see gloo_coalesced).
+        gloo_coalesced.install()
         # Gloo is the only backend here; dynamo would try to compile Megatron's jit'd
         # fusions for a device that does not exist.
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -361,6 +370,7 @@ def uninstall_cpu_harness() -> None:
         mrandom.CudaRNGStatesTracker.fork = _STATE["orig_fork"]
         torch.cuda.synchronize = _STATE["orig_synchronize"]
         torch.cuda.current_stream = _STATE["orig_current_stream"]
+        gloo_coalesced.uninstall()
         _STATE.clear()
 
 

@@ -53,14 +53,19 @@ def test_current_stream_waits_are_satisfied_when_installed(harness):
 
 
 def test_install_is_idempotent_and_uninstall_restores_torch():
+    from torch.distributed.distributed_c10d import ProcessGroup
+
     orig_type, orig_dev, orig_stream = torch.Tensor.type, torch.cuda.current_device, torch.cuda.current_stream
+    orig_gather = ProcessGroup.all_gather_single_coalesced
     install_cpu_harness()
     install_cpu_harness()
     assert cpu_harness_installed()
+    assert ProcessGroup.all_gather_single_coalesced is not orig_gather    # patch 9
     uninstall_cpu_harness()
     assert not cpu_harness_installed()
     assert torch.Tensor.type is orig_type and torch.cuda.current_device is orig_dev
     assert torch.cuda.current_stream is orig_stream
+    assert ProcessGroup.all_gather_single_coalesced is orig_gather
     assert torch.ones(1).type() == "torch.FloatTensor"
     with pytest.raises(Exception):
         torch.empty(1, device="cuda")
