@@ -9,9 +9,9 @@ gather (``--overlap-param-gather``, ``--overlap-param-gather-with-optimizer-step
 next bucket group's coalesced all-gather while the previous one may still run on the group's
 second gloo worker thread, so its harness runs aborted now and then. Seen with torch 2.13 (CPU):
 ``benchmarks/gloo_coalesced_all_gather.py`` aborts within 20,000 rounds of four coalesced
-all-gathers in flight at once, on a one-rank group and on the two-rank world alike, in three of
-four runs; one-tensor async all-gathers in flight at once, and coalesced reduce-scatters, ran the
-same rounds clean.
+all-gathers in flight at once when the cores are busy (a one-rank group in 3 of 4 runs, the two-rank
+world in 2 of 2); one-tensor async all-gathers in flight at once, and coalesced reduce-scatters, ran
+the same rounds clean.
 
 An all-gather only copies, so issuing the collected ones one by one gives the same bytes;
 the returned handle waits for all of them. Every other backend keeps torch's own implementation.
