@@ -34,7 +34,7 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_mlp.testing import gloo_coalesced
+import megatron_mlp.testing.gloo_coalesced as gloo_coalesced
 
 _LOCK = threading.Lock()
 _STATE: dict = {}
