@@ -113,7 +113,7 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
     try:
         steps, backward = [], []
         for _ in range(args.steps):
-            backward_s, step_s = _baseline_step(base, grads, params_out, barrier)
+            backward_s, step_s = _step_after_backward(base, grads, barrier, params_out)
             backward.append(backward_s)
             steps.append(step_s)
         if args.vs_deepspeed:
@@ -193,12 +193,6 @@ def trace_path(path: str, rank: int) -> str:
     return path if rank == 0 else f"{path}.rank{rank}"
 
 
-def _baseline_step(base, grads, params_out, barrier) -> tuple[float, float]:
-    """One step of the baseline as training runs it: its backward gradient write, then its update.
-    Returns both times (seconds)."""
-    return _step_after_backward(base, grads, barrier, params_out)
-
-
 def _step_after_backward(side, grads, barrier, *step_args) -> tuple[float, float]:
     """One step of a ZeRO-3-style side (the baseline, DeepSpeed's own update) as training runs it:
     its backward gradient write, then ``side.step(*step_args)``. Returns both times (seconds)."""
@@ -252,7 +246,7 @@ def _paired_steps(args, tiers, numel, opt, base, stats, grads, params_out, barri
             barrier.wait()
             replay_steps.append(replay.step())
     base_steps, mlp_beside_base = _alternating(
-        args.steps, barrier, lambda: _baseline_step(base, grads, params_out, barrier)[1], mlp_step)
+        args.steps, barrier, lambda: _step_after_backward(base, grads, barrier, params_out)[1], mlp_step)
     out = {"mlp_steps_s": mlp_steps, "replay_steps_s": replay_steps, "moves": moves,
            "baseline_steps_s": base_steps, "mlp_beside_baseline_steps_s": mlp_beside_base}
     if ds is not None:
