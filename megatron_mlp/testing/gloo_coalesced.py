@@ -42,14 +42,12 @@ class EachWork:
         return all(work.is_completed() for work in self.works)
 
 
-def _all_gather_one_by_one(group, outputs, inputs, opts=None):
-    orig = _STATE["orig"]
+def _all_gather_one_by_one(group, outputs, inputs, *opts):
     if dist.get_backend(group) != "gloo":
-        return orig(group, outputs, inputs, opts) if opts is not None else orig(group, outputs, inputs)
+        return _STATE["orig"](group, outputs, inputs, *opts)
     if len(outputs) != len(inputs):
         raise ValueError(f"all_gather_single_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
-    return EachWork(group.all_gather_single(out, inp, opts) if opts is not None else group.all_gather_single(out, inp)
-                    for out, inp in zip(outputs, inputs))
+    return EachWork(group.all_gather_single(out, inp, *opts) for out, inp in zip(outputs, inputs))
 
 
 def install() -> None:
