@@ -116,7 +116,7 @@ static bool valid_dtype(DType dt) {
     return dt == DType::kFloat32 || dt == DType::kBFloat16 || dt == DType::kFloat16;
 }
 
-bool moment_dtype_supported(DType dt) { return dt == DType::kFloat32 || dt == DType::kBFloat16; }
+bool moment_dtype_supported(DType dt) { return valid_dtype(dt); }
 
 int adam_update_range(Isa isa, const AdamScalars& s, float* param, void* exp_avg, void* exp_avg_sq,
                       const void* grad, DType grad_dtype, void* out, DType out_dtype, std::size_t n,
@@ -125,6 +125,16 @@ int adam_update_range(Isa isa, const AdamScalars& s, float* param, void* exp_avg
     if (!moment_dtype_supported(moment_dtype)) return -EINVAL;
     if (n == 0) return 0;
     if (!param || !exp_avg || !exp_avg_sq || !grad) return -EINVAL;
+    if (moment_dtype == DType::kFloat16) {
+        auto* m = static_cast<detail::Half*>(exp_avg);
+        auto* v = static_cast<detail::Half*>(exp_avg_sq);
+        switch (isa) {
+            case Isa::kAvx512: detail::adam_avx512_mh(s, param, m, v, grad, grad_dtype, out, out_dtype, n); break;
+            case Isa::kAvx2: detail::adam_avx2_mh(s, param, m, v, grad, grad_dtype, out, out_dtype, n); break;
+            default: detail::adam_scalar_mh(s, param, m, v, grad, grad_dtype, out, out_dtype, n); break;
+        }
+        return 0;
+    }
     if (moment_dtype == DType::kBFloat16) {
         auto* m = static_cast<std::uint16_t*>(exp_avg);
         auto* v = static_cast<std::uint16_t*>(exp_avg_sq);
@@ -147,6 +157,22 @@ int adam_update_range(Isa isa, const AdamScalars& s, float* param, void* exp_avg
         default:
             detail::adam_scalar(s, param, m, v, grad, grad_dtype, out, out_dtype, n);
             break;
+    }
+    return 0;
+}
+
+int moments_absmax_range(Isa isa, const AdamScalars& s, const std::uint16_t* exp_avg, const std::uint16_t* exp_avg_sq,
+                         const void* grad, DType grad_dtype, std::size_t n, float* absmax) {
+    if (!valid_dtype(grad_dtype) || !isa_supported(isa) || !absmax) return -EINVAL;
+    absmax[0] = absmax[1] = 0.0f;
+    if (n == 0) return 0;
+    if (!exp_avg || !exp_avg_sq || !grad) return -EINVAL;
+    const auto* m = reinterpret_cast<const detail::Half*>(exp_avg);
+    const auto* v = reinterpret_cast<const detail::Half*>(exp_avg_sq);
+    switch (isa) {
+        case Isa::kAvx512: detail::absmax_avx512_mh(s, m, v, grad, grad_dtype, n, absmax); break;
+        case Isa::kAvx2: detail::absmax_avx2_mh(s, m, v, grad, grad_dtype, n, absmax); break;
+        default: detail::absmax_scalar_mh(s, m, v, grad, grad_dtype, n, absmax); break;
     }
     return 0;
 }
@@ -307,9 +333,15 @@ static void piece(std::size_t n, int k, int t, std::size_t* begin, std::size_t* 
 
 int CpuAdam::step(const AdamHyper& hyper, float* param, void* exp_avg, void* exp_avg_sq, const void* grad,
                   DType grad_dtype, void* out, DType out_dtype, std::size_t n, int num_threads,
-                  std::uint32_t* crcs, std::uint32_t* in_crcs, DType moment_dtype) {
+                  std::uint32_t* crcs, std::uint32_t* in_crcs, DType moment_dtype, const float* moment_scales) {
     AdamScalars s;
     if (int rc = make_adam_scalars(hyper, sqrt_mode_, &s); rc < 0) return rc;
+    if (moment_dtype == DType::kFloat16 && moment_scales) {
+        s.m_scale = moment_scales[0];
+        s.v_scale = moment_scales[1];
+        s.m_rscale = moment_scales[2];
+        s.v_rscale = moment_scales[3];
+    }
     if (!valid_dtype(grad_dtype) || !valid_dtype(out_dtype)) return -EINVAL;
     if (!moment_dtype_supported(moment_dtype)) return -EINVAL;
     if (n == 0) return 0;
@@ -374,6 +406,42 @@ int CpuAdam::step(const AdamHyper& hyper, float* param, void* exp_avg, void* exp
         }
         if (crcs) crcs[a] = after;
         if (in_crcs) in_crcs[a] = before;
+    }
+    return 0;
+}
+
+int CpuAdam::moments_absmax(const AdamHyper& hyper, const float* scales, const std::uint16_t* exp_avg,
+                            const std::uint16_t* exp_avg_sq, const void* grad, DType grad_dtype, std::size_t n,
+                            float* absmax, int num_threads) {
+    AdamScalars s;
+    if (int rc = make_adam_scalars(hyper, sqrt_mode_, &s); rc < 0) return rc;
+    if (!valid_dtype(grad_dtype) || !absmax) return -EINVAL;
+    if (scales) {
+        s.m_scale = scales[0];
+        s.v_scale = scales[1];
+    }
+    absmax[0] = absmax[1] = 0.0f;
+    if (n == 0) return 0;
+    if (!exp_avg || !exp_avg_sq || !grad) return -EINVAL;
+    const int k = plan_tasks(n, num_threads);
+    std::vector<float> parts(2 * static_cast<std::size_t>(k), 0.0f);
+    const Isa isa = isa_;
+    const std::size_t gb = dtype_bytes(grad_dtype);
+    pool_.run(k, [&](int t) {
+        std::size_t b, e;
+        piece(n, k, t, &b, &e);
+        if (b < e)
+            moments_absmax_range(isa, s, exp_avg + b, exp_avg_sq + b, static_cast<const char*>(grad) + b * gb,
+                                 grad_dtype, e - b, &parts[2 * static_cast<std::size_t>(t)]);
+    });
+    for (int a = 0; a < 2; ++a) {
+        float r = 0.0f;
+        for (int t = 0; t < k; ++t) {
+            const float x = parts[2 * static_cast<std::size_t>(t) + a];
+            if (std::isnan(x) || std::isnan(r)) r = std::isnan(r) ? r : x;
+            else r = x > r ? x : r;
+        }
+        absmax[a] = r;
     }
     return 0;
 }

@@ -9,6 +9,7 @@
 #endif
 
 #include <cstring>
+#include <limits>
 
 #include "cpu_adam_dispatch.h"
 #include "mlp/checksum.h"
@@ -101,6 +102,7 @@ MLP_TARGET_AVX2 inline __m256 sqrt8(SqrtMode mode, __m256 x) {
 
 struct Consts8 {
     __m256 inv, clip, decay, w, wm1, b2, omb2, bc2, eps, nss;
+    __m256 m_scale, v_scale, m_rscale, v_rscale;  // fp16 moments only
 };
 
 // The state of eight elements, as loaded or as updated.
@@ -129,19 +131,59 @@ MLP_TARGET_AVX2 inline void store_state8(float* p, std::uint16_t* m, std::uint16
     _mm_storeu_si128(reinterpret_cast<__m128i*>(v), to_bf16_8(x.v));
 }
 
+// fp16 moments scaled per tensor: f32(h) * scale on load, f16(x * rscale) to nearest even on store.
+MLP_TARGET_AVX2 inline __m256 load_half8(const Half* a, __m256 scale) {
+    return _mm256_mul_ps(load8(a, DType::kFloat16), scale);
+}
+
+MLP_TARGET_AVX2 inline void store_half8(Half* a, __m256 x, __m256 rscale) {
+    store8(a, DType::kFloat16, _mm256_mul_ps(x, rscale));
+}
+
+// The scales live in the consts; the other storages ignore them.
+template <class M>
+MLP_TARGET_AVX2 inline State8 load_state8(const Consts8&, const float* p, const M* m, const M* v) {
+    return load_state8(p, m, v);
+}
+
+template <class M>
+MLP_TARGET_AVX2 inline void store_state8(const Consts8&, float* p, M* m, M* v, const State8& x) {
+    store_state8(p, m, v, x);
+}
+
+MLP_TARGET_AVX2 inline State8 load_state8(const Consts8& c, const float* p, const Half* m, const Half* v) {
+    return {_mm256_loadu_ps(p), load_half8(m, c.m_scale), load_half8(v, c.v_scale)};
+}
+
+MLP_TARGET_AVX2 inline void store_state8(const Consts8& c, float* p, Half* m, Half* v, const State8& x) {
+    _mm256_storeu_ps(p, x.p);
+    store_half8(m, x.m, c.m_rscale);
+    store_half8(v, x.v, c.v_rscale);
+}
+
+MLP_TARGET_AVX2 inline __m256 scaled_grad8(const AdamScalars& s, const Consts8& c, __m256 gi) {
+    if (s.apply_unscale) gi = _mm256_mul_ps(gi, c.inv);
+    if (s.apply_clip) gi = _mm256_mul_ps(gi, c.clip);
+    return gi;
+}
+
+// The new moments from the scaled gradient: shared by the update and the absmax pass.
+template <bool SmallWeight>
+MLP_TARGET_AVX2 inline void new_moments8(const Consts8& c, __m256 gi, __m256& mi, __m256& vi) {
+    const __m256 diff = _mm256_sub_ps(gi, mi);
+    mi = SmallWeight ? _mm256_fmadd_ps(c.w, diff, mi) : _mm256_fmadd_ps(c.wm1, diff, gi);
+    vi = _mm256_fmadd_ps(_mm256_mul_ps(c.omb2, gi), gi, _mm256_mul_ps(vi, c.b2));
+}
+
 // The AdamW update of eight elements (the arithmetic of adam_scalar, lane by lane).
 template <DType G, bool SmallWeight, int Sq>
 MLP_TARGET_AVX2 inline State8 update8(const AdamScalars& s, const Consts8& c, State8 x, const void* g) {
-    __m256 gi = load8(g, G);
-    if (s.apply_unscale) gi = _mm256_mul_ps(gi, c.inv);
-    if (s.apply_clip) gi = _mm256_mul_ps(gi, c.clip);
+    const __m256 gi = scaled_grad8(s, c, load8(g, G));
     __m256 pi = x.p;
     if (s.apply_decay) pi = _mm256_mul_ps(pi, c.decay);
     __m256 mi = x.m;
-    const __m256 diff = _mm256_sub_ps(gi, mi);
-    mi = SmallWeight ? _mm256_fmadd_ps(c.w, diff, mi) : _mm256_fmadd_ps(c.wm1, diff, gi);
-    __m256 vi = _mm256_mul_ps(x.v, c.b2);
-    vi = _mm256_fmadd_ps(_mm256_mul_ps(c.omb2, gi), gi, vi);
+    __m256 vi = x.v;
+    new_moments8<SmallWeight>(c, gi, mi, vi);
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(sqrt8(static_cast<SqrtMode>(Sq), vi), c.bc2), c.eps);
     pi = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(c.nss, mi), denom));
     return {pi, mi, vi};
@@ -150,8 +192,8 @@ MLP_TARGET_AVX2 inline State8 update8(const AdamScalars& s, const Consts8& c, St
 template <DType G, int O, bool SmallWeight, int Sq, class M>
 MLP_TARGET_AVX2 inline void body8(const AdamScalars& s, const Consts8& c, float* p, M* m, M* v,
                                   const void* g, void* out) {
-    const State8 y = update8<G, SmallWeight, Sq>(s, c, load_state8(p, m, v), g);
-    store_state8(p, m, v, y);
+    const State8 y = update8<G, SmallWeight, Sq>(s, c, load_state8(c, p, m, v), g);
+    store_state8(c, p, m, v, y);
     if constexpr (O >= 0) store8(out, static_cast<DType>(O), y.p);
 }
 
@@ -200,6 +242,53 @@ struct Loop8 {
         }
     }
 };
+
+// Running absmax of new moments (fp16 moments): max of |x| over the non-NaN lanes, NaN lanes noted apart.
+struct Absmax8 {
+    __m256 m, v, nan_m, nan_v;
+};
+
+template <DType G, bool SmallWeight>
+MLP_TARGET_AVX2 inline void absmax_body8(const AdamScalars& s, const Consts8& c, const Half* m, const Half* v,
+                                         const void* g, Absmax8& a) {
+    const __m256 gi = scaled_grad8(s, c, load8(g, G));
+    __m256 mi = load_half8(m, c.m_scale);
+    __m256 vi = load_half8(v, c.v_scale);
+    new_moments8<SmallWeight>(c, gi, mi, vi);
+    a.nan_m = _mm256_or_ps(a.nan_m, _mm256_cmp_ps(mi, mi, _CMP_UNORD_Q));
+    a.nan_v = _mm256_or_ps(a.nan_v, _mm256_cmp_ps(vi, vi, _CMP_UNORD_Q));
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    a.m = _mm256_max_ps(_mm256_and_ps(mi, magnitude), a.m);  // a NaN lane keeps a.m (vmaxps returns its second operand)
+    a.v = _mm256_max_ps(_mm256_and_ps(vi, magnitude), a.v);
+}
+
+MLP_TARGET_AVX2 inline float max8(__m256 x) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, x);
+    float r = lanes[0];
+    for (int i = 1; i < 8; ++i) r = lanes[i] > r ? lanes[i] : r;
+    return r;
+}
+
+template <DType G, bool SmallWeight>
+MLP_TARGET_AVX2 void absmax_loop8(const AdamScalars& s, const Consts8& c, const Half* m, const Half* v, const void* g,
+                                  std::size_t n, float* absmax) {
+    constexpr std::size_t gb = G == DType::kFloat32 ? 4 : 2;
+    Absmax8 a{_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8) absmax_body8<G, SmallWeight>(s, c, m + i, v + i, static_cast<const char*>(g) + i * gb, a);
+    if (i < n) {  // zero-padded lanes: zero moments and gradient give zero new moments
+        alignas(32) Half tm[8] = {}, tv[8] = {};
+        alignas(32) unsigned char tg[32] = {};
+        std::memcpy(tm, m + i, (n - i) * 2);
+        std::memcpy(tv, v + i, (n - i) * 2);
+        std::memcpy(tg, static_cast<const char*>(g) + i * gb, (n - i) * gb);
+        absmax_body8<G, SmallWeight>(s, c, tm, tv, tg, a);
+    }
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    absmax[0] = _mm256_movemask_ps(a.nan_m) ? nan : max8(a.m);
+    absmax[1] = _mm256_movemask_ps(a.nan_v) ? nan : max8(a.v);
+}
 
 // ---- the same loop, checksumming the state it loads and stores (crc32c_fold256_supported CPUs)
 //
@@ -341,6 +430,10 @@ static MLP_TARGET_AVX2 Consts8 make_consts8(const AdamScalars& s) {
     c.bc2 = _mm256_set1_ps(s.bc2_sqrt);
     c.eps = _mm256_set1_ps(s.eps);
     c.nss = _mm256_set1_ps(s.neg_step_size);
+    c.m_scale = _mm256_set1_ps(s.m_scale);
+    c.v_scale = _mm256_set1_ps(s.v_scale);
+    c.m_rscale = _mm256_set1_ps(s.m_rscale);
+    c.v_rscale = _mm256_set1_ps(s.v_rscale);
     return c;
 }
 
@@ -352,6 +445,28 @@ MLP_TARGET_AVX2 void adam_avx2(const AdamScalars& s, float* p, float* m, float* 
 MLP_TARGET_AVX2 void adam_avx2_m16(const AdamScalars& s, float* p, std::uint16_t* m, std::uint16_t* v,
                                    const void* g, DType gdt, void* out, DType odt, std::size_t n) {
     adam_dispatch<Loop8>(s, make_consts8(s), p, m, v, g, gdt, out, odt, n);
+}
+
+MLP_TARGET_AVX2 void adam_avx2_mh(const AdamScalars& s, float* p, Half* m, Half* v, const void* g, DType gdt,
+                                  void* out, DType odt, std::size_t n) {
+    adam_dispatch<Loop8>(s, make_consts8(s), p, m, v, g, gdt, out, odt, n);
+}
+
+MLP_TARGET_AVX2 void absmax_avx2_mh(const AdamScalars& s, const Half* m, const Half* v, const void* g, DType gdt,
+                                    std::size_t n, float* absmax) {
+    const Consts8 c = make_consts8(s);
+    const bool small = s.lerp_weight < 0.5f && s.lerp_weight > -0.5f;
+    switch (gdt) {
+        case DType::kBFloat16:
+            return small ? absmax_loop8<DType::kBFloat16, true>(s, c, m, v, g, n, absmax)
+                         : absmax_loop8<DType::kBFloat16, false>(s, c, m, v, g, n, absmax);
+        case DType::kFloat16:
+            return small ? absmax_loop8<DType::kFloat16, true>(s, c, m, v, g, n, absmax)
+                         : absmax_loop8<DType::kFloat16, false>(s, c, m, v, g, n, absmax);
+        default:
+            return small ? absmax_loop8<DType::kFloat32, true>(s, c, m, v, g, n, absmax)
+                         : absmax_loop8<DType::kFloat32, false>(s, c, m, v, g, n, absmax);
+    }
 }
 
 MLP_TARGET_AVX2_CLMUL void adam_avx2_checksummed(const AdamScalars& s, float* p, float* m, float* v, const void* g,
@@ -434,6 +549,14 @@ void adam_avx2(const AdamScalars& s, float* p, float* m, float* v, const void* g
 void adam_avx2_m16(const AdamScalars& s, float* p, std::uint16_t* m, std::uint16_t* v, const void* g, DType gdt,
                    void* out, DType odt, std::size_t n) {
     adam_scalar_m16(s, p, m, v, g, gdt, out, odt, n);
+}
+void adam_avx2_mh(const AdamScalars& s, float* p, Half* m, Half* v, const void* g, DType gdt, void* out, DType odt,
+                  std::size_t n) {
+    adam_scalar_mh(s, p, m, v, g, gdt, out, odt, n);
+}
+void absmax_avx2_mh(const AdamScalars& s, const Half* m, const Half* v, const void* g, DType gdt, std::size_t n,
+                    float* absmax) {
+    absmax_scalar_mh(s, m, v, g, gdt, n, absmax);
 }
 void adam_avx2_checksummed(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt, void* out,
                            DType odt, std::size_t n, std::uint32_t*, std::uint32_t*) {

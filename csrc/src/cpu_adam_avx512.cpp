@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "cpu_adam_dispatch.h"
 #include "mlp/cpu_adam.h"
@@ -149,35 +150,95 @@ MLP_TARGET_AVX512 inline __m512 sqrt16(SqrtMode mode, __m512 x) {
 
 struct Consts16 {
     __m512 inv, clip, decay, w, wm1, b2, omb2, bc2, eps, nss;
+    __m512 m_scale, v_scale, m_rscale, v_rscale;  // fp16 moments only
 };
 
-// The moments' storage: fp32, or bf16 bits widened on load and rounded to nearest even on store.
-MLP_TARGET_AVX512 inline __m512 load_moment16(const float* a) { return _mm512_loadu_ps(a); }
-MLP_TARGET_AVX512 inline __m512 load_moment16(const std::uint16_t* a) { return load16(a, DType::kBFloat16); }
-MLP_TARGET_AVX512 inline void store_moment16(float* a, __m512 x) { _mm512_storeu_ps(a, x); }
-MLP_TARGET_AVX512 inline void store_moment16(std::uint16_t* a, __m512 x) {
+// The moments' storage: fp32, bf16 bits widened on load and rounded to nearest even on store, or
+// fp16 bits scaled per tensor (`scale` multiplies a loaded moment, `rscale` one to be stored; the
+// other two ignore them).
+MLP_TARGET_AVX512 inline __m512 load_moment16(const float* a, __m512) { return _mm512_loadu_ps(a); }
+MLP_TARGET_AVX512 inline __m512 load_moment16(const std::uint16_t* a, __m512) {
+    return load16(a, DType::kBFloat16);
+}
+MLP_TARGET_AVX512 inline __m512 load_moment16(const Half* a, __m512 scale) {
+    return _mm512_mul_ps(load16(a, DType::kFloat16), scale);
+}
+MLP_TARGET_AVX512 inline void store_moment16(float* a, __m512 x, __m512) { _mm512_storeu_ps(a, x); }
+MLP_TARGET_AVX512 inline void store_moment16(std::uint16_t* a, __m512 x, __m512) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(a), to_bf16_16(x));
+}
+MLP_TARGET_AVX512 inline void store_moment16(Half* a, __m512 x, __m512 rscale) {
+    store16(a, DType::kFloat16, _mm512_mul_ps(x, rscale), false);
+}
+
+MLP_TARGET_AVX512 inline __m512 scaled_grad16(const AdamScalars& s, const Consts16& c, __m512 gi) {
+    if (s.apply_unscale) gi = _mm512_mul_ps(gi, c.inv);
+    if (s.apply_clip) gi = _mm512_mul_ps(gi, c.clip);
+    return gi;
+}
+
+// The new moments from the scaled gradient: shared by the update and the absmax pass.
+template <bool SmallWeight>
+MLP_TARGET_AVX512 inline void new_moments16(const Consts16& c, __m512 gi, __m512& mi, __m512& vi) {
+    const __m512 diff = _mm512_sub_ps(gi, mi);
+    mi = SmallWeight ? _mm512_fmadd_ps(c.w, diff, mi) : _mm512_fmadd_ps(c.wm1, diff, gi);
+    vi = _mm512_fmadd_ps(_mm512_mul_ps(c.omb2, gi), gi, _mm512_mul_ps(vi, c.b2));
 }
 
 template <DType G, int O, bool SmallWeight, int Sq, class M>
 MLP_TARGET_AVX512 inline void body16(const AdamScalars& s, const Consts16& c, float* p, M* m, M* v,
                                      const void* g, void* out, bool stream) {
-    __m512 gi = load16(g, G);
-    if (s.apply_unscale) gi = _mm512_mul_ps(gi, c.inv);
-    if (s.apply_clip) gi = _mm512_mul_ps(gi, c.clip);
+    const __m512 gi = scaled_grad16(s, c, load16(g, G));
     __m512 pi = _mm512_loadu_ps(p);
     if (s.apply_decay) pi = _mm512_mul_ps(pi, c.decay);
-    __m512 mi = load_moment16(m);
-    const __m512 diff = _mm512_sub_ps(gi, mi);
-    mi = SmallWeight ? _mm512_fmadd_ps(c.w, diff, mi) : _mm512_fmadd_ps(c.wm1, diff, gi);
-    __m512 vi = _mm512_mul_ps(load_moment16(v), c.b2);
-    vi = _mm512_fmadd_ps(_mm512_mul_ps(c.omb2, gi), gi, vi);
+    __m512 mi = load_moment16(m, c.m_scale);
+    __m512 vi = load_moment16(v, c.v_scale);
+    new_moments16<SmallWeight>(c, gi, mi, vi);
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(sqrt16(static_cast<SqrtMode>(Sq), vi), c.bc2), c.eps);
     pi = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(c.nss, mi), denom));
     _mm512_storeu_ps(p, pi);
-    store_moment16(m, mi);
-    store_moment16(v, vi);
+    store_moment16(m, mi, c.m_rscale);
+    store_moment16(v, vi, c.v_rscale);
     if constexpr (O >= 0) store16(out, static_cast<DType>(O), pi, stream);
+}
+
+// Running absmax of new moments: max of |x| over the non-NaN lanes; NaN lanes noted apart.
+struct Absmax16 {
+    __m512 m, v;
+    __mmask16 nan_m, nan_v;
+};
+
+template <DType G, bool SmallWeight>
+MLP_TARGET_AVX512 inline void absmax_body16(const AdamScalars& s, const Consts16& c, const Half* m, const Half* v,
+                                            const void* g, Absmax16& a) {
+    const __m512 gi = scaled_grad16(s, c, load16(g, G));
+    __m512 mi = load_moment16(m, c.m_scale);
+    __m512 vi = load_moment16(v, c.v_scale);
+    new_moments16<SmallWeight>(c, gi, mi, vi);
+    a.nan_m = static_cast<__mmask16>(a.nan_m | _mm512_cmp_ps_mask(mi, mi, _CMP_UNORD_Q));
+    a.nan_v = static_cast<__mmask16>(a.nan_v | _mm512_cmp_ps_mask(vi, vi, _CMP_UNORD_Q));
+    a.m = _mm512_max_ps(_mm512_abs_ps(mi), a.m);  // a NaN lane keeps a.m (vmaxps returns its second operand)
+    a.v = _mm512_max_ps(_mm512_abs_ps(vi), a.v);
+}
+
+template <DType G, bool SmallWeight>
+MLP_TARGET_AVX512 void absmax_loop16(const AdamScalars& s, const Consts16& c, const Half* m, const Half* v,
+                                     const void* g, std::size_t n, float* absmax) {
+    constexpr std::size_t gb = G == DType::kFloat32 ? 4 : 2;
+    Absmax16 a{_mm512_setzero_ps(), _mm512_setzero_ps(), 0, 0};
+    std::size_t i = 0;
+    for (; i + 16 <= n; i += 16) absmax_body16<G, SmallWeight>(s, c, m + i, v + i, static_cast<const char*>(g) + i * gb, a);
+    if (i < n) {  // zero-padded lanes: zero moments and gradient give zero new moments
+        alignas(64) Half tm[16] = {}, tv[16] = {};
+        alignas(64) unsigned char tg[64] = {};
+        std::memcpy(tm, m + i, (n - i) * 2);
+        std::memcpy(tv, v + i, (n - i) * 2);
+        std::memcpy(tg, static_cast<const char*>(g) + i * gb, (n - i) * gb);
+        absmax_body16<G, SmallWeight>(s, c, tm, tv, tg, a);
+    }
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    absmax[0] = a.nan_m ? nan : _mm512_reduce_max_ps(a.m);
+    absmax[1] = a.nan_v ? nan : _mm512_reduce_max_ps(a.v);
 }
 
 struct StatsAcc16 {
@@ -243,6 +304,10 @@ MLP_TARGET_AVX512 Consts16 make_consts16(const AdamScalars& s) {
     c.bc2 = _mm512_set1_ps(s.bc2_sqrt);
     c.eps = _mm512_set1_ps(s.eps);
     c.nss = _mm512_set1_ps(s.neg_step_size);
+    c.m_scale = _mm512_set1_ps(s.m_scale);
+    c.v_scale = _mm512_set1_ps(s.v_scale);
+    c.m_rscale = _mm512_set1_ps(s.m_rscale);
+    c.v_rscale = _mm512_set1_ps(s.v_rscale);
     return c;
 }
 }  // namespace
@@ -255,6 +320,28 @@ MLP_TARGET_AVX512 void adam_avx512(const AdamScalars& s, float* p, float* m, flo
 MLP_TARGET_AVX512 void adam_avx512_m16(const AdamScalars& s, float* p, std::uint16_t* m, std::uint16_t* v,
                                        const void* g, DType gdt, void* out, DType odt, std::size_t n) {
     adam_dispatch<Loop16>(s, make_consts16(s), p, m, v, g, gdt, out, odt, n);
+}
+
+MLP_TARGET_AVX512 void adam_avx512_mh(const AdamScalars& s, float* p, Half* m, Half* v, const void* g, DType gdt,
+                                      void* out, DType odt, std::size_t n) {
+    adam_dispatch<Loop16>(s, make_consts16(s), p, m, v, g, gdt, out, odt, n);
+}
+
+MLP_TARGET_AVX512 void absmax_avx512_mh(const AdamScalars& s, const Half* m, const Half* v, const void* g, DType gdt,
+                                        std::size_t n, float* absmax) {
+    const Consts16 c = make_consts16(s);
+    const bool small = s.lerp_weight < 0.5f && s.lerp_weight > -0.5f;
+    switch (gdt) {
+        case DType::kBFloat16:
+            return small ? absmax_loop16<DType::kBFloat16, true>(s, c, m, v, g, n, absmax)
+                         : absmax_loop16<DType::kBFloat16, false>(s, c, m, v, g, n, absmax);
+        case DType::kFloat16:
+            return small ? absmax_loop16<DType::kFloat16, true>(s, c, m, v, g, n, absmax)
+                         : absmax_loop16<DType::kFloat16, false>(s, c, m, v, g, n, absmax);
+        default:
+            return small ? absmax_loop16<DType::kFloat32, true>(s, c, m, v, g, n, absmax)
+                         : absmax_loop16<DType::kFloat32, false>(s, c, m, v, g, n, absmax);
+    }
 }
 
 MLP_TARGET_AVX512 void stats_avx512(const void* g, DType dt, std::size_t n, GradStats* out) {
@@ -307,6 +394,14 @@ void adam_avx512(const AdamScalars& s, float* p, float* m, float* v, const void*
 void adam_avx512_m16(const AdamScalars& s, float* p, std::uint16_t* m, std::uint16_t* v, const void* g, DType gdt,
                      void* out, DType odt, std::size_t n) {
     adam_scalar_m16(s, p, m, v, g, gdt, out, odt, n);
+}
+void adam_avx512_mh(const AdamScalars& s, float* p, Half* m, Half* v, const void* g, DType gdt, void* out, DType odt,
+                    std::size_t n) {
+    adam_scalar_mh(s, p, m, v, g, gdt, out, odt, n);
+}
+void absmax_avx512_mh(const AdamScalars& s, const Half* m, const Half* v, const void* g, DType gdt, std::size_t n,
+                      float* absmax) {
+    absmax_scalar_mh(s, m, v, g, gdt, n, absmax);
 }
 void stats_avx512(const void* g, DType dt, std::size_t n, GradStats* out) { stats_scalar(g, dt, n, out); }
 void sqrt_avx512(SqrtMode mode, const float* in, float* out, std::size_t n) { sqrt_scalar(mode, in, out, n); }

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "mlp/cpu_adam.h"
 
@@ -121,34 +122,49 @@ inline void store_out(void* out, DType dt, std::size_t i, float x) {
 
 namespace {
 
-inline float load_moment(const float* a, std::size_t i) { return a[i]; }
-inline float load_moment(const std::uint16_t* a, std::size_t i) { return bf16_to_f32(a[i]); }
-inline void store_moment(float* a, std::size_t i, float x) { a[i] = x; }
-inline void store_moment(std::uint16_t* a, std::size_t i, float x) { a[i] = f32_to_bf16(x); }
+// The moments' storage: fp32, bf16 bits, or fp16 bits scaled per tensor (`scale` unscales a loaded
+// moment, `rscale` scales one to be stored; both ignored by the other two).
+inline float load_moment(const float* a, std::size_t i, float) { return a[i]; }
+inline float load_moment(const std::uint16_t* a, std::size_t i, float) { return bf16_to_f32(a[i]); }
+inline float load_moment(const Half* a, std::size_t i, float scale) { return f16_to_f32(a[i].bits) * scale; }
+inline void store_moment(float* a, std::size_t i, float x, float) { a[i] = x; }
+inline void store_moment(std::uint16_t* a, std::size_t i, float x, float) { a[i] = f32_to_bf16(x); }
+inline void store_moment(Half* a, std::size_t i, float x, float rscale) { a[i].bits = f32_to_f16(x * rscale); }
 
-// M: the moments' storage, float or bf16 bits. The arithmetic is fp32 either way; bf16 moments are
-// rounded only when stored, after the param has been updated from their fp32 values.
+// The gradient as the update uses it, and the new moments from it: shared by the update and
+// the absmax pass, so the two compute the same bits.
+inline float scaled_grad(const AdamScalars& s, const void* g, DType gdt, std::size_t i) {
+    float gi = load_grad(g, gdt, i);
+    if (s.apply_unscale) gi = gi * s.inv_loss_scale;
+    if (s.apply_clip) gi = gi * s.clip_coef;
+    return gi;
+}
+
+inline void new_moments(const AdamScalars& s, bool small_weight, float gi, float* mi, float* vi) {
+    const float diff = gi - *mi;
+    *mi = small_weight ? std::fma(s.lerp_weight, diff, *mi) : std::fma(s.lerp_weight - 1.0f, diff, gi);
+    const float v = *vi * s.beta2;
+    *vi = std::fma(s.one_minus_beta2 * gi, gi, v);
+}
+
+// M: the moments' storage. The arithmetic is fp32 either way; 16-bit moments are rounded only
+// when stored, after the param has been updated from their fp32 values.
 template <class M>
 void adam_scalar_impl(const AdamScalars& s, float* p, M* m, M* v, const void* g, DType gdt, void* out, DType odt,
                       std::size_t n) {
     const bool small_weight = std::fabs(s.lerp_weight) < 0.5f;
-    const float wm1 = s.lerp_weight - 1.0f;
     for (std::size_t i = 0; i < n; ++i) {
-        float gi = load_grad(g, gdt, i);
-        if (s.apply_unscale) gi = gi * s.inv_loss_scale;
-        if (s.apply_clip) gi = gi * s.clip_coef;
+        const float gi = scaled_grad(s, g, gdt, i);
         float pi = p[i];
         if (s.apply_decay) pi = pi * s.decay;
-        float mi = load_moment(m, i);
-        const float diff = gi - mi;
-        mi = small_weight ? std::fma(s.lerp_weight, diff, mi) : std::fma(wm1, diff, gi);
-        float vi = load_moment(v, i) * s.beta2;
-        vi = std::fma(s.one_minus_beta2 * gi, gi, vi);
+        float mi = load_moment(m, i, s.m_scale);
+        float vi = load_moment(v, i, s.v_scale);
+        new_moments(s, small_weight, gi, &mi, &vi);
         const float denom = kernel_sqrt(s.sqrt_mode, vi) / s.bc2_sqrt + s.eps;
         pi = pi + (s.neg_step_size * mi) / denom;
         p[i] = pi;
-        store_moment(m, i, mi);
-        store_moment(v, i, vi);
+        store_moment(m, i, mi, s.m_rscale);
+        store_moment(v, i, vi, s.v_rscale);
         if (out) store_out(out, odt, i, pi);
     }
 }
@@ -163,6 +179,29 @@ void adam_scalar(const AdamScalars& s, float* p, float* m, float* v, const void*
 void adam_scalar_m16(const AdamScalars& s, float* p, std::uint16_t* m, std::uint16_t* v, const void* g, DType gdt,
                      void* out, DType odt, std::size_t n) {
     adam_scalar_impl(s, p, m, v, g, gdt, out, odt, n);
+}
+
+void adam_scalar_mh(const AdamScalars& s, float* p, Half* m, Half* v, const void* g, DType gdt, void* out, DType odt,
+                    std::size_t n) {
+    adam_scalar_impl(s, p, m, v, g, gdt, out, odt, n);
+}
+
+void absmax_scalar_mh(const AdamScalars& s, const Half* m, const Half* v, const void* g, DType gdt, std::size_t n,
+                      float* absmax) {
+    const bool small_weight = std::fabs(s.lerp_weight) < 0.5f;
+    float am = 0.0f, av = 0.0f;
+    bool nan_m = false, nan_v = false;
+    for (std::size_t i = 0; i < n; ++i) {
+        float mi = load_moment(m, i, s.m_scale);
+        float vi = load_moment(v, i, s.v_scale);
+        new_moments(s, small_weight, scaled_grad(s, g, gdt, i), &mi, &vi);
+        nan_m |= std::isnan(mi);
+        nan_v |= std::isnan(vi);
+        am = std::fmax(am, std::fabs(mi));
+        av = std::fmax(av, std::fabs(vi));
+    }
+    absmax[0] = nan_m ? std::numeric_limits<float>::quiet_NaN() : am;
+    absmax[1] = nan_v ? std::numeric_limits<float>::quiet_NaN() : av;
 }
 
 void stats_scalar(const void* g, DType dt, std::size_t n, GradStats* out) {

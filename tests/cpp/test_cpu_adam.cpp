@@ -2,6 +2,7 @@
 // framework): every SIMD path agrees bit for bit with the scalar path, conversions round as
 // specified, the pool covers every element once, and crc32c matches published vectors.
 // Returns non-zero on the first failure. Built by tests/cpp/run_sanitizers.sh under ASan/UBSan.
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
@@ -354,7 +355,8 @@ void test_bf16_moments_match_scalar() {
     CHECK(mlp::make_adam_scalars(h, mlp::SqrtMode::kIeee, &s) == 0, "scalars");
     float p = 0.f, m = 0.f, v = 0.f, g = 0.f;
     CHECK(mlp::adam_update_range(mlp::Isa::kScalar, s, &p, &m, &v, &g, mlp::DType::kFloat32, nullptr,
-                                 mlp::DType::kFloat32, 1, mlp::DType::kFloat16) == -EINVAL, "fp16 moments refused");
+                                 mlp::DType::kFloat32, 1, static_cast<mlp::DType>(7)) == -EINVAL,
+          "unknown moment dtype refused");
     // step(): the CRCs of the bf16 arrays are of their 2-byte elements, over the pool's pieces.
     const std::size_t n = 200003;
     std::vector<float> param(n);
@@ -378,10 +380,74 @@ void test_bf16_moments_match_scalar() {
     CHECK(out_crcs[2] == mlp::crc32c(v16.data(), n * 2), "bf16 step: exp_avg_sq crc after");
 }
 
+// fp16 moments scaled per tensor (--exp-avg-dtype fp16): every SIMD path equals the scalar path
+// bit for bit in the absmax pass and the update, with the scales the absmax gives, and writes no
+// moment element past n.
+void test_fp16_scaled_moments_match_scalar() {
+    const std::size_t sizes[] = {1, 7, 15, 16, 17, 33, 4099};
+    std::mt19937 rng(11);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    const float range = 65504.f / 2.f;
+    for (mlp::Isa isa : {mlp::Isa::kAvx2, mlp::Isa::kAvx512}) {
+        if (!mlp::isa_supported(isa)) continue;
+        for (std::size_t n : sizes) {
+            std::vector<float> pa(n), pb;
+            std::vector<std::uint16_t> ma(n + 1, 0), va(n + 1, 0), mb, vb, grad(n);
+            for (std::size_t i = 0; i < n; ++i) {
+                pa[i] = nd(rng);
+                grad[i] = mlp::detail::f32_to_bf16(nd(rng) * 1e-2f);
+            }
+            ma[n] = va[n] = 0xBEEF;   // sentinels past the end
+            pb = pa;
+            mb = ma;
+            vb = va;
+            float scale_a[2] = {1.f, 1.f}, scale_b[2] = {1.f, 1.f};
+            mlp::AdamHyper h;
+            h.weight_decay = 0.1;
+            h.inv_loss_scale = 0.5;
+            for (int step = 1; step <= 5; ++step) {
+                h.step = step;
+                for (int path = 0; path < 2; ++path) {
+                    const mlp::Isa use = path == 0 ? mlp::Isa::kScalar : isa;
+                    float* scale = path == 0 ? scale_a : scale_b;
+                    auto* mm = reinterpret_cast<const std::uint16_t*>(path == 0 ? ma.data() : mb.data());
+                    auto* vv = reinterpret_cast<const std::uint16_t*>(path == 0 ? va.data() : vb.data());
+                    mlp::AdamScalars s;
+                    CHECK(mlp::make_adam_scalars(h, mlp::SqrtMode::kIeee, &s) == 0, "scalars");
+                    s.m_scale = scale[0];
+                    s.v_scale = scale[1];
+                    float absmax[2];
+                    CHECK(mlp::moments_absmax_range(use, s, mm, vv, grad.data(), mlp::DType::kBFloat16, n, absmax) == 0,
+                          "absmax");
+                    for (int k = 0; k < 2; ++k) {
+                        scale[k] = absmax[k] / range;
+                        const float r = scale[k] > 0.f ? 1.f / scale[k] : 0.f;
+                        (k == 0 ? s.m_rscale : s.v_rscale) = r;
+                    }
+                    CHECK(mlp::adam_update_range(use, s, path == 0 ? pa.data() : pb.data(),
+                                                 path == 0 ? ma.data() : mb.data(), path == 0 ? va.data() : vb.data(),
+                                                 grad.data(), mlp::DType::kBFloat16, nullptr, mlp::DType::kFloat32, n,
+                                                 mlp::DType::kFloat16) == 0, "fp16 moments update");
+                }
+                CHECK(scale_a[0] == scale_b[0] && scale_a[1] == scale_b[1], "%s fp16 scales differ (n=%zu, step %d)",
+                      mlp::isa_name(isa), n, step);
+            }
+            CHECK(pa == pb, "%s param differs with fp16 moments (n=%zu)", mlp::isa_name(isa), n);
+            CHECK(ma == mb && va == vb, "%s fp16 moments differ (n=%zu)", mlp::isa_name(isa), n);
+            CHECK(mb[n] == 0xBEEF && vb[n] == 0xBEEF, "%s wrote past the fp16 moments", mlp::isa_name(isa));
+            float top = 0.f;
+            for (std::size_t i = 0; i < n; ++i) top = std::max(top, std::fabs(mlp::detail::f16_to_f32(vb[i])));
+            CHECK(top == range, "%s fp16 exp_avg_sq not scaled to the range: max %g (n=%zu)", mlp::isa_name(isa),
+                  top, n);
+        }
+    }
+}
+
 int main() {
     test_traffic_moves_the_bytes_and_changes_nothing();
     test_simd_paths_match_scalar();
     test_bf16_moments_match_scalar();
+    test_fp16_scaled_moments_match_scalar();
     test_conversions();
     test_pool_covers_every_element_once();
     test_crc32c();

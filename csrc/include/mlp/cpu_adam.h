@@ -76,16 +76,29 @@ struct AdamScalars {
     bool apply_clip;         // clip_coef != 1
     bool apply_decay;        // weight_decay != 0
     SqrtMode sqrt_mode;
+    // fp16 moments only (see moment_dtype_supported): this call's tensor's scales, the ones its
+    // stored moments were written with (m_scale, v_scale) and the reciprocals of the new ones
+    // (m_rscale, v_rscale, from moments_absmax_range's result). Unused with fp32 or bf16 moments.
+    float m_scale = 1.0f;
+    float v_scale = 1.0f;
+    float m_rscale = 1.0f;
+    float v_rscale = 1.0f;
 };
 
 // Returns 0, or -EINVAL when the hyper-parameters cannot be used (step < 1, non-finite values).
 int make_adam_scalars(const AdamHyper& h, SqrtMode mode, AdamScalars* out);
 
-// Whether the kernel stores Adam's moments (exp_avg, exp_avg_sq) in `dt`: fp32, or bf16 as
-// Megatron's precision-aware optimizer does (--exp-avg-dtype / --exp-avg-sq-dtype bf16). With
-// bf16 moments the arithmetic is unchanged (fp32 in registers, the op sequence above, the param
-// updated from the unrounded fp32 moments); only the stored moments are rounded to bf16, to
-// nearest even (torch's .bfloat16()). fp16 moments are not: stock scales them per tensor.
+// Whether the kernel stores Adam's moments (exp_avg, exp_avg_sq) in `dt`: fp32, or bf16 or fp16 as
+// Megatron's precision-aware optimizer does (--exp-avg-dtype / --exp-avg-sq-dtype, Transformer
+// Engine's FusedAdam). With 16-bit moments the arithmetic is unchanged (fp32 in registers, the op
+// sequence above, the param updated from the unrounded fp32 moments); only what is stored differs:
+//   bf16: the fp32 moment rounded to nearest even (torch's .bfloat16());
+//   fp16: per tensor scaled, as FusedAdam's get_unscaled_state / _apply_scale: a moment is loaded
+//         as f32(h) * scale and stored as f16(x * rscale) (each product one fp32 rounding, the
+//         conversion to nearest even), where scale = absmax / (fp16 max / 2) over the tensor's
+//         new moments and rscale = 1 / scale (0 where scale is not > 0). The absmax must be
+//         known before any element is stored: moments_absmax_range computes it in a pass of its
+//         own, with the same arithmetic, and the caller derives the scales (AdamScalars).
 bool moment_dtype_supported(DType dt);
 
 // One thread's share: elements [0, n) of the given arrays. `out` may be null. exp_avg and
@@ -94,6 +107,13 @@ bool moment_dtype_supported(DType dt);
 int adam_update_range(Isa isa, const AdamScalars& s, float* param, void* exp_avg, void* exp_avg_sq,
                       const void* grad, DType grad_dtype, void* out, DType out_dtype, std::size_t n,
                       DType moment_dtype = DType::kFloat32);
+
+// The largest magnitude of the new exp_avg and exp_avg_sq of elements [0, n) as
+// adam_update_range with fp16 moments would compute them (s.m_scale, s.v_scale unscale the stored
+// ones), without storing anything: absmax[0] for exp_avg, absmax[1] for exp_avg_sq, NaN where
+// any new moment is NaN (torch.aminmax propagates NaN). Returns 0 or -EINVAL.
+int moments_absmax_range(Isa isa, const AdamScalars& s, const std::uint16_t* exp_avg, const std::uint16_t* exp_avg_sq,
+                         const void* grad, DType grad_dtype, std::size_t n, float* absmax);
 
 // adam_update_range that also gives the CRC-32C (seed 0) of the param, exp_avg and exp_avg_sq
 // arrays as they were before the update (`in_crcs`, 3 values; may be null) and after it
@@ -171,10 +191,17 @@ public:
     // of tile by tile (adam_update_range_checksummed). Returns 0 or -EINVAL.
     // `moment_dtype`: what exp_avg and exp_avg_sq hold (fp32, or bf16; the CRCs are then of their
     // n * 2 bytes, and always tile by tile).
+    // `moment_scales` (fp16 moments only, else ignored): m_scale, v_scale, m_rscale, v_rscale of
+    // AdamScalars for the one tensor [0, n) belongs to; null means 1, 1, 1, 1.
     int step(const AdamHyper& hyper, float* param, void* exp_avg, void* exp_avg_sq, const void* grad,
              DType grad_dtype, void* out, DType out_dtype, std::size_t n, int num_threads = 0,
              std::uint32_t* crcs = nullptr, std::uint32_t* in_crcs = nullptr,
-             DType moment_dtype = DType::kFloat32);
+             DType moment_dtype = DType::kFloat32, const float* moment_scales = nullptr);
+
+    // moments_absmax_range over the pool: `scales` holds the stored moments' m_scale, v_scale.
+    int moments_absmax(const AdamHyper& hyper, const float* scales, const std::uint16_t* exp_avg,
+                       const std::uint16_t* exp_avg_sq, const void* grad, DType grad_dtype, std::size_t n,
+                       float* absmax, int num_threads = 0);
 
     int grad_stats(const void* grad, DType dtype, std::size_t n, GradStats* out, int num_threads = 0);
 
@@ -224,6 +251,24 @@ void adam_avx2_m16(const AdamScalars& s, float* p, std::uint16_t* m, std::uint16
                    void* out, DType odt, std::size_t n);
 void adam_avx512_m16(const AdamScalars& s, float* p, std::uint16_t* m, std::uint16_t* v, const void* g, DType gdt,
                      void* out, DType odt, std::size_t n);
+// fp16 moments as stored bits (a type of its own, so overloads tell it from bf16's uint16_t).
+struct Half {
+    std::uint16_t bits;
+};
+// The same paths with per-tensor scaled fp16 moments (AdamScalars' m_scale ... v_rscale).
+void adam_scalar_mh(const AdamScalars& s, float* p, Half* m, Half* v, const void* g, DType gdt, void* out, DType odt,
+                    std::size_t n);
+void adam_avx2_mh(const AdamScalars& s, float* p, Half* m, Half* v, const void* g, DType gdt, void* out, DType odt,
+                  std::size_t n);
+void adam_avx512_mh(const AdamScalars& s, float* p, Half* m, Half* v, const void* g, DType gdt, void* out,
+                    DType odt, std::size_t n);
+// moments_absmax_range per path.
+void absmax_scalar_mh(const AdamScalars& s, const Half* m, const Half* v, const void* g, DType gdt, std::size_t n,
+                      float* absmax);
+void absmax_avx2_mh(const AdamScalars& s, const Half* m, const Half* v, const void* g, DType gdt, std::size_t n,
+                    float* absmax);
+void absmax_avx512_mh(const AdamScalars& s, const Half* m, const Half* v, const void* g, DType gdt, std::size_t n,
+                      float* absmax);
 // adam_avx2 folding the loaded and stored state into CRC-32Cs (crc32c_fold256_supported CPUs).
 void adam_avx2_checksummed(const AdamScalars& s, float* p, float* m, float* v, const void* g, DType gdt, void* out,
                            DType odt, std::size_t n, std::uint32_t* in_crcs, std::uint32_t* out_crcs);

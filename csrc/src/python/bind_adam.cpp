@@ -90,7 +90,7 @@ void bind_adam(py::module_& m) {
                std::uintptr_t grad, int grad_dtype, std::uintptr_t out, int out_dtype, std::size_t n, double lr,
                double beta1, double beta2, double eps, double weight_decay, std::int64_t step,
                double inv_loss_scale, double clip_coef, int num_threads, bool checksums,
-               bool input_checksums, int moment_dtype) -> py::object {
+               bool input_checksums, int moment_dtype, py::object moment_scales) -> py::object {
                 AdamHyper h;
                 h.lr = lr;
                 h.beta1 = beta1;
@@ -103,14 +103,22 @@ void bind_adam(py::module_& m) {
                 const DType gdt = to_dtype(grad_dtype), odt = to_dtype(out_dtype), mdt = to_dtype(moment_dtype);
                 if (!moment_dtype_supported(mdt))
                     throw py::value_error(std::string("fused Adam: moments in ") + dtype_name(mdt) +
-                                          " are not supported (fp32 or bf16)");
+                                          " are not supported (fp32, bf16 or fp16)");
+                float scales[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+                if (!moment_scales.is_none()) {
+                    const auto given = moment_scales.cast<py::sequence>();
+                    if (py::len(given) != 4)
+                        throw py::value_error("fused Adam: moment_scales takes 4 floats (m_scale, v_scale, m_rscale, "
+                                              "v_rscale), got " + std::to_string(py::len(given)));
+                    for (int i = 0; i < 4; ++i) scales[i] = given[i].cast<float>();
+                }
                 std::uint32_t crcs[3] = {0, 0, 0}, in_crcs[3] = {0, 0, 0};
                 int rc;
                 {
                     py::gil_scoped_release release;
                     rc = a.step(h, ptr<float>(param), ptr<void>(exp_avg), ptr<void>(exp_avg_sq),
                                 ptr<const void>(grad), gdt, out ? ptr<void>(out) : nullptr, odt, n, num_threads,
-                                checksums ? crcs : nullptr, input_checksums ? in_crcs : nullptr, mdt);
+                                checksums ? crcs : nullptr, input_checksums ? in_crcs : nullptr, mdt, scales);
                 }
                 check(rc, "fused Adam step");
                 py::object after = checksums ? py::object(py::make_tuple(crcs[0], crcs[1], crcs[2])) : py::none();
@@ -121,10 +129,39 @@ void bind_adam(py::module_& m) {
             py::arg("out"), py::arg("out_dtype"), py::arg("numel"), py::arg("lr"), py::arg("beta1"),
             py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
             py::arg("inv_loss_scale"), py::arg("clip_coef"), py::arg("num_threads"), py::arg("checksums") = false,
-            py::arg("input_checksums") = false, py::arg("moment_dtype") = 0,
-            "One AdamW step (exp_avg and exp_avg_sq in moment_dtype: 0 fp32, 1 bf16); with checksums=True returns the CRC-32C of the updated (param, exp_avg, "
+            py::arg("input_checksums") = false, py::arg("moment_dtype") = 0, py::arg("moment_scales") = py::none(),
+            "One AdamW step (exp_avg and exp_avg_sq in moment_dtype: 0 fp32, 1 bf16, 2 fp16 scaled per tensor by "
+            "moment_scales = (m_scale, v_scale, m_rscale, v_rscale), the scales the stored moments were written with "
+            "and the reciprocals of the new ones); with checksums=True returns the CRC-32C of the updated (param, exp_avg, "
             "exp_avg_sq), computed while each tile is in cache, else None; with input_checksums=True "
             "returns (CRC-32C of the three before the update, that result).")
+        .def(
+            "moments_absmax",
+            [](CpuAdam& a, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, std::uintptr_t grad, int grad_dtype,
+               std::size_t n, double beta1, double beta2, double inv_loss_scale, double clip_coef, float m_scale,
+               float v_scale, int num_threads) {
+                AdamHyper h;
+                h.beta1 = beta1;
+                h.beta2 = beta2;
+                h.inv_loss_scale = inv_loss_scale;
+                h.clip_coef = clip_coef;
+                const float scales[2] = {m_scale, v_scale};
+                float absmax[2] = {0.0f, 0.0f};
+                int rc;
+                {
+                    py::gil_scoped_release release;
+                    rc = a.moments_absmax(h, scales, ptr<const std::uint16_t>(exp_avg),
+                                          ptr<const std::uint16_t>(exp_avg_sq), ptr<const void>(grad),
+                                          to_dtype(grad_dtype), n, absmax, num_threads);
+                }
+                check(rc, "moments absmax");
+                return py::make_tuple(absmax[0], absmax[1]);
+            },
+            py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"), py::arg("grad_dtype"), py::arg("numel"),
+            py::arg("beta1"), py::arg("beta2"), py::arg("inv_loss_scale"), py::arg("clip_coef"), py::arg("m_scale"),
+            py::arg("v_scale"), py::arg("num_threads") = 0,
+            "(absmax of the new exp_avg, of the new exp_avg_sq) that step() with fp16 moments would compute from "
+            "these fp16 moments (written with m_scale, v_scale) and grad; NaN where any is NaN. Stores nothing.")
         .def(
             "grad_stats",
             [](CpuAdam& a, std::uintptr_t grad, int dtype, std::size_t n, int num_threads) {
