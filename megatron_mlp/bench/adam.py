@@ -114,7 +114,7 @@ def run(args) -> dict:
         fa.fused_adam_step(p, m, v, grad, out, step=step[0], num_threads=threads, checksums=checksums,
                            input_checksums=input_checksums, **hyper)
 
-    kernel = fa._kernel()
+    kernel = fa.kernel()
     codes = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
     # Its own arrays: the traffic kernel leaves them as they are (and writes junk to its out).
     tp_, tm_, tv_, tout = torch.randn(n, generator=gen), torch.zeros(n), torch.ones(n), torch.empty_like(out)

@@ -9,7 +9,8 @@ Adam's moments may also be stored in bf16 (``exp_avg`` and ``exp_avg_sq`` bf16 t
 Megatron's precision-aware optimizer does with ``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``:
 the arithmetic stays fp32 in registers, the param is updated from the fp32 moments, and only the
 stored moments are rounded to bf16, to nearest even -- bit-identical to
-``megatron_mlp.optim.reference_adam.reference_adamw_bf16_moments``.
+``megatron_mlp.optim.reference_adam.adamw_step_bf16_moments``. fp16 moments are scaled per tensor
+(``moment_scales``; ``megatron_mlp.optim.moment_scaling`` derives the scales as stock does).
 
 One kernel object (a C++ ``CpuAdam`` owning its worker threads) is kept per process.
 """
@@ -24,6 +25,10 @@ from megatron_mlp import _C
 
 __all__ = [
     "fused_adam_step",
+    "kernel",
+    "check_tensor",
+    "GRAD_DTYPES",
+    "MOMENT_DTYPES",
     "grad_stats",
     "kernel_isa",
     "kernel_checksums_in_pass",
@@ -35,9 +40,10 @@ __all__ = [
     "kernel_threads_for_rank",
 ]
 
-_GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-MOMENT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-"""The dtypes the kernel stores Adam's moments in (fp16 needs stock's per-tensor scaling: not built)."""
+GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""The gradient (and output) dtypes the kernel takes, with their codes."""
+MOMENT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""The dtypes the kernel stores Adam's moments in (fp16: scaled per tensor, ``moment_scales``)."""
 _KERNEL_LOCK = threading.Lock()
 _KERNEL = None  # the process's _C.CpuAdam, created on first use
 
@@ -49,7 +55,8 @@ def _available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _kernel():
+def kernel():
+    """The process's fused kernel (a C++ ``CpuAdam``, created on first use)."""
     global _KERNEL
     if _KERNEL is None:
         with _KERNEL_LOCK:
@@ -89,7 +96,7 @@ def _detect_torch_sqrt(kernel) -> str:
 
 def kernel_isa() -> str:
     """The kernel path in use: "avx512", "avx2" or "scalar"."""
-    return _kernel().isa
+    return kernel().isa
 
 
 def kernel_checksums_in_pass() -> bool:
@@ -107,13 +114,13 @@ def set_kernel_isa(name: str) -> None:
     Raises:
         ValueError: unknown name, or a path this CPU cannot run.
     """
-    k = _kernel()
+    k = kernel()
     k.set_isa(_C.best_isa() if name == "auto" else name)
 
 
 def sqrt_mode() -> str:
     """The sqrt the kernel uses: "ieee", "rsqrt_newton", "rsqrt_newton_fma" or "rsqrt14_fma"."""
-    return _kernel().sqrt_mode
+    return kernel().sqrt_mode
 
 
 def set_sqrt_mode(name: str) -> None:
@@ -123,13 +130,13 @@ def set_sqrt_mode(name: str) -> None:
         ValueError: unknown name, or a sequence this CPU cannot compute (rsqrt14_fma needs
             AVX-512, rsqrt_newton_fma AVX2 and FMA).
     """
-    k = _kernel()
+    k = kernel()
     k.set_sqrt_mode(_detect_torch_sqrt(k) if name == "auto" else name)
 
 
 def num_kernel_threads() -> int:
     """Threads of the process's kernel pool (all CPUs this process may run on)."""
-    return _kernel().num_threads
+    return kernel().num_threads
 
 
 def kernel_threads_for_rank(ranks_per_node: int = 1) -> int:
@@ -176,30 +183,33 @@ def threads_beside_io(io_in_flight: bool, requested: int = 0, *, share: int = 0)
     return 0 if pool == whole else pool
 
 
-def _check_tensor(name: str, t, allowed: dict, numel: int | None) -> None:
+def check_tensor(name: str, t, allowed: dict, numel: int | None, who: str = "fused_adam_step") -> None:
+    """Refuse ``t`` unless it is a contiguous CPU tensor of an ``allowed`` dtype (and ``numel``
+    elements), naming ``who`` was given it, the argument and the value."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"fused_adam_step: {name} must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
-        raise ValueError(f"fused_adam_step: {name} must be a CPU tensor, got device {t.device}")
+        raise ValueError(f"{who}: {name} must be a CPU tensor, got device {t.device}")
     if t.dtype not in allowed:
         names = ", ".join(str(d).replace("torch.", "") for d in allowed)
-        raise TypeError(f"fused_adam_step: {name} has dtype {str(t.dtype).replace('torch.', '')}; expected {names}")
+        raise TypeError(f"{who}: {name} has dtype {str(t.dtype).replace('torch.', '')}; expected {names}")
     if not t.is_contiguous():
-        raise ValueError(f"fused_adam_step: {name} must be contiguous (stride {tuple(t.stride())}); "
+        raise ValueError(f"{who}: {name} must be contiguous (stride {tuple(t.stride())}); "
                          f"pass {name}.contiguous() or a flat view of the buffer")
     if numel is not None and t.numel() != numel:
-        raise ValueError(f"fused_adam_step: {name} has {t.numel()} elements, param has {numel}")
+        raise ValueError(f"{who}: {name} has {t.numel()} elements, param has {numel}")
 
 
 def fused_adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *, lr, beta1, beta2, eps,
                     weight_decay, step, inv_loss_scale=1.0, clip_coef=1.0, num_threads=0,
-                    checksums=False, input_checksums=False):
+                    checksums=False, input_checksums=False, moment_scales=None):
     """One AdamW step over a flat range, in place.
 
     Args:
         param: fp32 CPU tensor, contiguous; updated in place.
-        exp_avg, exp_avg_sq: CPU tensors of param's numel, contiguous, both fp32 or both bf16 (the
-            moments rounded to nearest even when stored); updated in place.
+        exp_avg, exp_avg_sq: CPU tensors of param's numel, contiguous, both fp32, both bf16 (the
+            moments rounded to nearest even when stored) or both fp16 (scaled: ``moment_scales``);
+            updated in place.
         grad: bf16, fp16 or fp32 CPU tensor of that numel; read only, upcast in registers.
         param_out: optional bf16, fp16 or fp32 CPU tensor of that numel receiving the new params.
         lr, beta1, beta2, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
@@ -212,6 +222,9 @@ def fused_adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *, lr, bet
         input_checksums: also return their CRC-32C *before* the update, computed the same way
             (each tile just before it is updated): what a region read back from storage is
             verified against, without a pass of its own over the state.
+        moment_scales: with fp16 moments (and only then), ``(m_scale, v_scale, m_rscale, v_rscale)``:
+            the scales the stored moments were written with and the reciprocals of the new ones
+            (``moment_scaling.fused_adam_step_fp16_moments`` derives them); one tensor's.
 
     Returns:
         ``(crc_param, crc_exp_avg, crc_exp_avg_sq)`` with ``checksums=True``, else None; with
@@ -221,18 +234,25 @@ def fused_adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *, lr, bet
         TypeError / ValueError: a tensor of the wrong dtype, device, size or layout, or bad
             hyper-parameters; the message names the argument and the value.
     """
-    _check_tensor("param", param, {torch.float32: 0}, None)
+    check_tensor("param", param, {torch.float32: 0}, None)
     n = param.numel()
-    _check_tensor("exp_avg", exp_avg, MOMENT_DTYPES, n)
-    _check_tensor("exp_avg_sq", exp_avg_sq, MOMENT_DTYPES, n)
+    check_tensor("exp_avg", exp_avg, MOMENT_DTYPES, n)
+    check_tensor("exp_avg_sq", exp_avg_sq, MOMENT_DTYPES, n)
     if exp_avg.dtype != exp_avg_sq.dtype:
         raise TypeError(f"fused_adam_step: exp_avg is {str(exp_avg.dtype).replace('torch.', '')} but exp_avg_sq is "
                         f"{str(exp_avg_sq.dtype).replace('torch.', '')}; the kernel stores both moments in one dtype")
-    _check_tensor("grad", grad, _GRAD_DTYPES, n)
+    check_tensor("grad", grad, GRAD_DTYPES, n)
+    scaled = exp_avg.dtype == torch.float16
+    if scaled != (moment_scales is not None):
+        raise ValueError("fused_adam_step: moment_scales goes with fp16 moments and only with them (fp16 moments "
+                         f"are scaled per tensor); got {str(exp_avg.dtype).replace('torch.', '')} moments and "
+                         f"moment_scales={moment_scales!r}")
+    if scaled and len(moment_scales) != 4:
+        raise ValueError(f"fused_adam_step: moment_scales takes (m_scale, v_scale, m_rscale, v_rscale), got {moment_scales!r}")
     out_ptr, out_code = 0, 0
     if param_out is not None:
-        _check_tensor("param_out", param_out, _GRAD_DTYPES, n)
-        out_ptr, out_code = param_out.data_ptr(), _GRAD_DTYPES[param_out.dtype]
+        check_tensor("param_out", param_out, GRAD_DTYPES, n)
+        out_ptr, out_code = param_out.data_ptr(), GRAD_DTYPES[param_out.dtype]
     if int(step) != step or step < 1:
         raise ValueError(f"fused_adam_step: step must be an integer >= 1, got {step!r}")
     if num_threads < 0:
@@ -240,10 +260,11 @@ def fused_adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *, lr, bet
     if n == 0:
         after = (0, 0, 0) if checksums else None
         return ((0, 0, 0), after) if input_checksums else after
-    return _kernel().step(param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
-                          _GRAD_DTYPES[grad.dtype], out_ptr, out_code, n, float(lr), float(beta1), float(beta2),
+    return kernel().step(param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
+                          GRAD_DTYPES[grad.dtype], out_ptr, out_code, n, float(lr), float(beta1), float(beta2),
                           float(eps), float(weight_decay), int(step), float(inv_loss_scale), float(clip_coef),
-                          int(num_threads), bool(checksums), bool(input_checksums), MOMENT_DTYPES[exp_avg.dtype])
+                          int(num_threads), bool(checksums), bool(input_checksums), MOMENT_DTYPES[exp_avg.dtype],
+                          tuple(float(x) for x in moment_scales) if scaled else None)
 
 
 def grad_stats(grad, num_threads: int = 0) -> tuple[float, bool]:
@@ -252,8 +273,8 @@ def grad_stats(grad, num_threads: int = 0) -> tuple[float, bool]:
     Raises:
         TypeError / ValueError: grad is not a contiguous bf16/fp16/fp32 CPU tensor.
     """
-    _check_tensor("grad", grad, _GRAD_DTYPES, None)
+    check_tensor("grad", grad, GRAD_DTYPES, None)
     if grad.numel() == 0:
         return 0.0, False
-    sumsq, nonfinite = _kernel().grad_stats(grad.data_ptr(), _GRAD_DTYPES[grad.dtype], grad.numel(), num_threads)
+    sumsq, nonfinite = kernel().grad_stats(grad.data_ptr(), GRAD_DTYPES[grad.dtype], grad.numel(), num_threads)
     return float(sumsq), bool(nonfinite)

@@ -9,6 +9,7 @@ With 16-bit moments (Megatron's precision-aware optimizer, ``--exp-avg-dtype bf1
 whose new moments are then stored rounded to bf16 to nearest even (``.bfloat16()``); the param is
 updated from the unrounded fp32 moments. That is the arithmetic of Transformer Engine's FusedAdam
 in stock's precision-aware path (fp32 math in registers, bf16 stores), on torch's op sequence.
+fp16 moments add FusedAdam's per-tensor scales (``adamw_step_fp16_moments``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,35 @@ def adamw_step_bf16_moments(param, exp_avg, exp_avg_sq, grad, *, lr, beta1, beta
     opt.step()
     exp_avg.copy_(m32.bfloat16())
     exp_avg_sq.copy_(v32.bfloat16())
+
+
+def adamw_step_fp16_moments(param, exp_avg, exp_avg_sq, grad, *, scales, lr, beta1, beta2, eps, weight_decay,
+                            step):
+    """One torch AdamW step (single tensor) on fp32 ``param`` and fp16 ``exp_avg``/``exp_avg_sq``
+    scaled per tensor, in place, the way Transformer Engine's FusedAdam keeps them in stock's
+    precision-aware optimizer: the moments unscaled (``h.float() * scale``), torch's own step on
+    them, then each stored with a new scale (``absmax / (fp16 max / 2)``, NaN-propagating as
+    ``torch.aminmax``) as ``(x * rscale).half()``, ``rscale = 1 / scale`` where ``scale > 0`` else 0.
+    ``scales``: a ``MomentScales`` the stored moments were written with. Returns the new one."""
+    from megatron_mlp.optim.moment_scaling import FP16_RANGE, MomentScales
+
+    p = torch.nn.Parameter(param.detach())
+    opt = torch.optim.AdamW([p], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay,
+                            foreach=False, fused=False)
+    f32 = dict(dtype=torch.float32)
+    m32 = exp_avg.float().mul_(torch.tensor([scales.exp_avg], **f32))
+    v32 = exp_avg_sq.float().mul_(torch.tensor([scales.exp_avg_sq], **f32))
+    opt.state[p] = {"step": torch.tensor(float(step - 1)), "exp_avg": m32, "exp_avg_sq": v32}
+    p.grad = grad.float()
+    opt.step()
+    new = []
+    for unscaled, stored in ((m32, exp_avg), (v32, exp_avg_sq)):
+        low, high = torch.aminmax(unscaled)
+        scale = torch.maximum(-low, high).to(torch.float32).reshape(1) / torch.tensor([FP16_RANGE], **f32)
+        rscale = torch.where(scale > 0, scale.reciprocal(), 0.0)
+        stored.copy_(unscaled.mul_(rscale))
+        new.append(float(scale))
+    return MomentScales(*new)
 
 
 class ReferenceAdamW:

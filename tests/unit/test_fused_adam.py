@@ -244,7 +244,7 @@ def test_auto_sqrt_mode_matches_torch_sqrt_when_detected():
     gen = torch.Generator().manual_seed(77)
     x = torch.cat([torch.rand(100_003, generator=gen) * 10, torch.rand(10_000, generator=gen) * 1e-30,
                    torch.tensor([0.0, 1e-45, 1e-40, float("inf")])])
-    k = fa._kernel()
+    k = fa.kernel()
     out = torch.empty_like(x)
     k.sqrt(x.data_ptr(), out.data_ptr(), x.numel())
     if fa.sqrt_mode() == "ieee":
@@ -285,7 +285,7 @@ def test_sqrt_modes_reproduce_mkl_vssqrt_kernels_when_torch_exports_them(isa, mo
     try:
         fa.set_sqrt_mode(mode)
         out = torch.empty_like(x)
-        fa._kernel().sqrt(x.data_ptr(), out.data_ptr(), x.numel())
+        fa.kernel().sqrt(x.data_ptr(), out.data_ptr(), x.numel())
     finally:
         fa.set_sqrt_mode(previous)
     assert_bitwise_equal(out, ref, f"{mode} vs {kernel}")
@@ -332,7 +332,7 @@ def test_ieee_sqrt_mode_is_correctly_rounded_when_forced(isa):
         x = special_floats(3).abs()
         x = x[torch.isfinite(x)]
         out = torch.empty_like(x)
-        fa._kernel().sqrt(x.data_ptr(), out.data_ptr(), x.numel())
+        fa.kernel().sqrt(x.data_ptr(), out.data_ptr(), x.numel())
         assert_bitwise_equal(out, x.double().sqrt().float(), "ieee sqrt")
     finally:
         fa.set_sqrt_mode(previous)
@@ -345,7 +345,7 @@ def test_rsqrt_newton_sqrt_is_within_one_ulp_and_exact_on_special_inputs_when_fo
         x = special_floats(4).abs()
         x = x[~torch.isnan(x)]
         out = torch.empty_like(x)
-        fa._kernel().sqrt(x.data_ptr(), out.data_ptr(), x.numel())
+        fa.kernel().sqrt(x.data_ptr(), out.data_ptr(), x.numel())
         exact = x.double().sqrt().float()
         ulps = (out.view(torch.int32).long() - exact.view(torch.int32).long()).abs()
         assert int(ulps.max()) <= 1

@@ -75,7 +75,7 @@ def test_traffic_kernel_leaves_the_state_unchanged_and_writes_the_output_when_ru
     before = [t.clone() for t in (p, m, v)]
     g = torch.randn(n).to(dtypes[grad_code])
     out = torch.full((n,), 7.0).to(dtypes[out_code])
-    fa._kernel().traffic(p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), grad_code, out.data_ptr(),
+    fa.kernel().traffic(p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), grad_code, out.data_ptr(),
                          out_code, n, 0)
     assert all(torch.equal(a, b) for a, b in zip((p, m, v), before))
     assert not torch.equal(out, torch.full((n,), 7.0).to(dtypes[out_code])), "the output was written"
@@ -99,7 +99,7 @@ def test_pool_copy_copies_every_byte_when_size_is_not_a_multiple_of_four(nbytes)
     from megatron_mlp.optim import fused_adam as fa
     src = torch.randint(0, 256, (nbytes + 1,), dtype=torch.uint8)
     dst = torch.zeros(nbytes + 1, dtype=torch.uint8)
-    fa._kernel().copy(dst.data_ptr(), src.data_ptr(), nbytes, 0)
+    fa.kernel().copy(dst.data_ptr(), src.data_ptr(), nbytes, 0)
     assert torch.equal(dst[:nbytes], src[:nbytes])
     assert dst[nbytes].item() == 0, "copied past nbytes"
 
