@@ -21,7 +21,7 @@ from megatron_mlp.units import format_size
 
 ORDER_POLICIES = ("alternate", "ascending", "forward")
 GRAD_TRANSFERS = ("auto", "bf16")
-MOMENT_DTYPES = ("fp32", "bf16")
+MOMENT_DTYPES = ("fp32", "bf16", "fp16")
 """What the tiers store Adam's moments in (the param, the master copy, is fp32 either way)."""
 BACKENDS = ("auto", "io_uring", "threads")
 CALIBRATION_MODES = ("auto", "off")  # or a path to a calibration JSON file
@@ -44,7 +44,7 @@ wait deadline overflows its clock and the wait ends at once (1e300 s timed out i
 # the same count of elements, a multiple of 4096 bytes of the narrowest (optim/subgroups.py:
 # Subgroup.region_bytes), in two slots on its tier.
 _PAGE_PARAMS = 4096 // 4
-_MOMENT_BYTES = {"fp32": 4, "bf16": 2}
+_MOMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def _page_params(moment_dtype: str = "fp32") -> int:
@@ -203,11 +203,13 @@ class MLPOffloadConfig:
     """--mlp-offload-device-memory FRACTION (a number in (0, 1] without a unit): the same share given
     as a fraction of this rank's optimizer state instead of a size."""
     moment_dtype: str = "fp32"
-    """No flag of its own: Megatron's --use-precision-aware-optimizer with --exp-avg-dtype bf16 and
-    --exp-avg-sq-dtype bf16 sets 'bf16' (megatron/arguments.py reads them where the optimizer is
-    built). What the tiers store Adam's moments in: 'fp32' (12 bytes per param with the fp32
-    master) or 'bf16' (8: each step moves a third fewer bytes). The kernel's arithmetic is fp32
-    either way; bf16 moments are rounded to nearest even when stored, as stock stores them."""
+    """No flag of its own: Megatron's --use-precision-aware-optimizer with --exp-avg-dtype and
+    --exp-avg-sq-dtype both bf16 (or both fp16) sets 'bf16' ('fp16'), read where the optimizer is
+    built. What the tiers store Adam's moments in: 'fp32' (12 bytes per param with the fp32
+    master) or 16 bits (8: each step moves a third fewer bytes). The kernel's arithmetic is fp32
+    either way; bf16 moments are rounded to nearest even when stored, fp16 ones scaled per tensor
+    first, as stock stores them (optim/moment_scaling.py; the absmax pass that needs reads the
+    moments once more each step: optim/tensor_scales.py)."""
     trace_dir: str | None = None
     """--mlp-offload-trace: directory where each rank writes a Chrome trace (Perfetto) of the steps in
     ``trace_steps``: one span per tier fetch / write-back, token wait, kernel call and copy. None: off."""
@@ -243,6 +245,10 @@ class MLPOffloadConfig:
             raise ConfigError(f"--exp-avg-dtype / --exp-avg-sq-dtype: moments in {self.moment_dtype!r} are not "
                               f"supported; one of {', '.join(MOMENT_DTYPES)}")
         check_subgroup_size(self.subgroup_params, moment_dtype=self.moment_dtype)
+        if self.moment_dtype == "fp16" and (self.device_memory_bytes or self.device_memory_fraction):
+            raise ConfigError("--mlp-offload-device-memory with --exp-avg-dtype fp16 is not supported: fp16 "
+                              "moments are scaled per tensor, and a tensor cut between the device share and "
+                              "the host would need one scale over both; drop --mlp-offload-device-memory")
         _non_negative("--mlp-offload-host-memory", self.host_memory_bytes)
         _non_negative("host_cache_bytes", self.host_cache_bytes)
         if self.host_memory_bytes and self.host_cache_bytes:

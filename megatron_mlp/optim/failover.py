@@ -55,6 +55,20 @@ class FailoverStats(FailoverReport):
         self.bytes_moved += report.bytes_moved
         self.events += report.events
 
+    def handle(self, residency, tiers, plan, failing) -> None:
+        """Take the ``failing`` stores (``TierStores.failing``) out of service after a step, adding
+        the report. Raises the ``TierFailure`` of a failover that could not place every subgroup,
+        marked ``step_completed`` (every subgroup was updated and handed out)."""
+        if not failing:
+            return
+        earlier = tuple(t["path"] for t in self.failed_tiers)
+        try:
+            self.add(take_out_of_service(residency, tiers, plan, failing, earlier))
+        except TierFailure as e:
+            self.add(e.report)
+            e.step_completed = True
+            raise
+
     def as_dict(self) -> dict:
         return {"failed_tiers": list(self.failed_tiers), "subgroups_moved": self.subgroups_moved,
                 "subgroups_in_host": self.subgroups_in_host, "bytes_moved": self.bytes_moved,

@@ -32,6 +32,7 @@ class StepInputs:
     on_subgroup_done: object = None    # callback(start, end)
     grads_ready: object = None         # callback(start, end), returns once the slice holds the gradient
     trace: object = None               # a StepTrace, or None
+    moment_scales: object = None       # fp16 moments: the step's per-tensor scales (tensor_scales.StepScales)
 
 
 @dataclass
@@ -116,11 +117,15 @@ class AdamKernel:
             stats.upcast_s += time.perf_counter() - t0
         out = inputs.params_out[sg.start + lo:sg.start + hi] if inputs.params_out is not None else None
         t_kernel = time.perf_counter()
-        crcs = fused_adam_step(arrays[0], arrays[1], arrays[2], grad, out,
-                               lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
-                               weight_decay=hyper["weight_decay"], step=hyper["step"],
-                               inv_loss_scale=float(inputs.inv_loss_scale), clip_coef=float(inputs.clip_coef),
-                               checksums=checksum, num_threads=num_threads, input_checksums=check)
+        kwargs = dict(lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
+                      weight_decay=hyper["weight_decay"], step=hyper["step"],
+                      inv_loss_scale=float(inputs.inv_loss_scale), clip_coef=float(inputs.clip_coef),
+                      checksums=checksum, num_threads=num_threads, input_checksums=check)
+        if inputs.moment_scales is None:
+            crcs = fused_adam_step(arrays[0], arrays[1], arrays[2], grad, out, **kwargs)
+        else:
+            crcs = _step_per_tensor(inputs.moment_scales, sg.start + lo, arrays, grad, out, sg.element_bytes,
+                                    checksum, check, kwargs)
         if trace is not None:
             trace.span("kernel", "adam", t_kernel, time.perf_counter(), subgroup=sg.index, piece=k,
                        elements=hi - lo, threads=num_threads)
@@ -185,6 +190,28 @@ class AdamKernel:
         if not job.checksum:
             return KernelResult()
         return KernelResult(crc=region_crc32c(region, array_lengths(sg), sg.array_strides, after))
+
+
+def _step_per_tensor(moment_scales, base: int, arrays, grad, out, element_bytes, checksum: bool, check: bool,
+                     kwargs: dict):
+    """``fused_adam_step`` over flat elements ``[base, base + len)`` with fp16 moments: one call per
+    tensor part, each with its tensor's scales, the checksums joined as one call's would be."""
+    from megatron_mlp.optim.checksum import crc32c_combine
+    from megatron_mlp.optim.fused_adam import fused_adam_step
+    before = after = (0, 0, 0)
+    for a, b, scales in moment_scales.segments(base, base + arrays[0].numel()):
+        lo, hi = a - base, b - base
+        crcs = fused_adam_step(*(x[lo:hi] for x in arrays), grad[lo:hi], None if out is None else out[lo:hi],
+                               moment_scales=scales, **kwargs)
+        lens = [(hi - lo) * eb for eb in element_bytes]
+        part_before, part_after = crcs if check else (None, crcs)
+        if check:
+            before = tuple(crc32c_combine(x, y, n) for x, y, n in zip(before, part_before, lens))
+        if checksum:
+            after = tuple(crc32c_combine(x, y, n) for x, y, n in zip(after, part_after, lens))
+    if check:
+        return before, (after if checksum else None)
+    return after if checksum else None
 
 
 def array_lengths(sg: Subgroup) -> tuple[int, int, int]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_mlp.optim import fused_adam
+from megatron_mlp.optim.fused_adam import GRAD_DTYPES, check_tensor, fused_adam_step, kernel
 
 FP16_RANGE = torch.finfo(torch.float16).max / 2.0
 """The largest magnitude a scaled moment is given: 32752, half of fp16's max (FusedAdam's range map)."""
@@ -59,13 +59,13 @@ def moments_absmax(exp_avg, exp_avg_sq, grad, *, beta1, beta2, scales: MomentSca
         TypeError / ValueError: a tensor of the wrong dtype, device, size or layout (named).
     """
     n = exp_avg.numel()
-    fused_adam.check_tensor("exp_avg", exp_avg, {torch.float16: 2}, None, "moments_absmax")
-    fused_adam.check_tensor("exp_avg_sq", exp_avg_sq, {torch.float16: 2}, n, "moments_absmax")
-    fused_adam.check_tensor("grad", grad, fused_adam.GRAD_DTYPES, n, "moments_absmax")
+    check_tensor("exp_avg", exp_avg, {torch.float16: 2}, None, "moments_absmax")
+    check_tensor("exp_avg_sq", exp_avg_sq, {torch.float16: 2}, n, "moments_absmax")
+    check_tensor("grad", grad, GRAD_DTYPES, n, "moments_absmax")
     if n == 0:
         return 0.0, 0.0
-    am, av = fused_adam.kernel().moments_absmax(
-        exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(), fused_adam.GRAD_DTYPES[grad.dtype], n,
+    am, av = kernel().moments_absmax(
+        exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(), GRAD_DTYPES[grad.dtype], n,
         float(beta1), float(beta2), float(inv_loss_scale), float(clip_coef), float(scales.exp_avg),
         float(scales.exp_avg_sq), int(num_threads))
     return float(am), float(av)
@@ -85,7 +85,7 @@ def fused_adam_step_fp16_moments(param, exp_avg, exp_avg_sq, grad, param_out=Non
     am, av = moments_absmax(exp_avg, exp_avg_sq, grad, scales=scales, num_threads=num_threads, **hyper)
     m_scale, m_rscale = scale_for(am)
     v_scale, v_rscale = scale_for(av)
-    fused_adam.fused_adam_step(param, exp_avg, exp_avg_sq, grad, param_out, lr=lr, eps=eps, weight_decay=weight_decay,
+    fused_adam_step(param, exp_avg, exp_avg_sq, grad, param_out, lr=lr, eps=eps, weight_decay=weight_decay,
                                step=step, num_threads=num_threads,
                                moment_scales=(scales.exp_avg, scales.exp_avg_sq, m_rscale, v_rscale), **hyper)
     return MomentScales(m_scale, v_scale)

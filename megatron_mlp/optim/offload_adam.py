@@ -18,14 +18,14 @@ Framework-agnostic: plain CPU torch tensors in, nothing Megatron-specific (see m
 """
 from __future__ import annotations
 
-import copy
 import logging
 import time
 
 import torch
 
 from megatron_mlp.errors import TierFailure
-from megatron_mlp.optim.failover import FailoverStats, take_out_of_service
+from megatron_mlp.optim.failover import FailoverStats
+from megatron_mlp.optim.fp16_moments import Fp16Moments
 from megatron_mlp.optim.host_memory import config_moment_bytes
 from megatron_mlp.optim.kernel_call import AdamKernel, StepInputs
 from megatron_mlp.optim.placement import host_memory_for, placement_tiers, plan_for, warm_subgroups
@@ -36,10 +36,11 @@ from megatron_mlp.optim.schedule import iteration_order
 from megatron_mlp.optim.state_access import LazyStateChunk, StateAccess
 from megatron_mlp.optim.stats import StepStats, TierStepStats
 from megatron_mlp.optim.step_pipeline import StepPipeline
-from megatron_mlp.optim.subgroups import SubgroupPlan, piece_params_for
-from megatron_mlp.optim.transaction import (GRAD_DTYPES, check_flat, check_scale, check_state_dict,
-                                            check_step_count, checked_hyper, merge_range, partial_error,
-                                            with_defaults)
+from megatron_mlp.optim.subgroups import MOMENT_DTYPE_BY_NAME, SubgroupPlan, piece_params_for
+from megatron_mlp.optim.tensor_scales import TensorScales
+from megatron_mlp.optim.transaction import (GRAD_DTYPES, build_state_dict, check_flat, check_scale,
+                                            check_state_dict, check_step_count, checked_hyper, hyper_of,
+                                            merge_range, partial_error, with_defaults)
 from megatron_mlp.optim.update_in_flight import InFlight, ParamHandOff, Prefetch
 from megatron_mlp.optim.tier_stores import (TierStores, default_engine_factory, default_token_factory,
                                             prepare_tier_paths)
@@ -65,6 +66,8 @@ class OffloadAdam:
             staging, ``host_memory.staging_bytes``): counted in ``--mlp-offload-host-memory``.
         ranks_per_node: processes of the node sharing the tiers (placement model input).
         placement: its row of the placement of this rank's several optimizers (``placement.chain``); None: alone.
+        tensor_ranges: ``[(start, end), ...]`` of each tensor (param shard), tiling the flat shard:
+            fp16 moments (``config.moment_dtype``) are scaled per tensor (``fp16_moments.py``).
         engine_factory / token_factory: ``spec -> Engine`` / ``(spec, direction) -> token or None``
             (direction 'rw', or 'read' and 'write' for a tier with separate budgets); defaults
             build the real ones from ``config``; tests inject faults through them.
@@ -76,12 +79,15 @@ class OffloadAdam:
 
     def __init__(self, config, group_ranges, param_groups, initial_params=None, *, rank: int = 0,
                  ranks_per_node: int = 1, engine_factory=None, token_factory=None, staging_bytes: int = 0,
-                 placement=None):
+                 placement=None, tensor_ranges=None):
         if config.node_memory_bytes:
             config.replace(node_memory_bytes=0)   # planned for another node: the budget must fit this one
         self.config = config
-        # The tiers store what the flags say: fp32 masters, moments fp32 or bf16 (12 or 8 B/param).
-        self.plan = SubgroupPlan(group_ranges, config.subgroup_params, config_moment_bytes(config))
+        # The tiers store what the flags say: fp32 masters, moments fp32 or 16-bit (12 or 8 B/param).
+        self.plan = SubgroupPlan(group_ranges, config.subgroup_params, config_moment_bytes(config),
+                                 MOMENT_DTYPE_BY_NAME[config.moment_dtype])
+        # fp16 moments: one scale per tensor and moment (fp16_moments.py); the ranges checked first.
+        scales = TensorScales(tensor_ranges, self.plan.numel) if config.moment_dtype == "fp16" else None
         # The one host budget (--mlp-offload-host-memory): the caller's staging, the working
         # buffers and the cache; refused here, before anything is created, when it cannot fit.
         self.host_memory = host_memory_for(self.plan, config, int(staging_bytes))
@@ -127,6 +133,8 @@ class OffloadAdam:
             self.pieces = {sg.index: sg.pieces(piece_params) for sg in self.plan}
             self.kernel = AdamKernel(config, self.plan.max_numel, ranks_per_node, rank)
             self.kernel_threads = self.kernel.num_threads
+            self.fp16_moments = Fp16Moments(scales, self.plan, self.residency, self.access, self.kernel_threads) \
+                if scales is not None else None
             self.access.write_initial(initial_params, self.numel)
         except BaseException:
             # A start refused from here on (a bad trace dir, the kernel, the initial params, a
@@ -134,15 +142,10 @@ class OffloadAdam:
             self.tiers.close(config.io_timeout_s)
             raise
 
-    @property
-    def stores(self) -> list:
-        """The ``TierStore`` of each configured path holding subgroups (config order)."""
-        return self.tiers.stores
-
-    @property
-    def tier_of(self) -> list[int]:
-        """Subgroup index -> the tier (``--mlp-offload-paths`` index) it lives on now."""
-        return self.tiers.tier_of
+    stores = property(lambda self: self.tiers.stores, doc="The ``TierStore`` of each configured path holding "
+                      "subgroups (config order).")
+    tier_of = property(lambda self: self.tiers.tier_of, doc="Subgroup index -> the tier (``--mlp-offload-paths`` "
+                       "index) it lives on now.")
 
     # What stays in host memory between steps (residency.py).
     pool = property(lambda self: self.residency.pool)
@@ -229,7 +232,8 @@ class OffloadAdam:
         move once every subgroup is updated; an error after the pipeline starts leaves it partial.
         """
         self._check_open(settle=False)
-        self._settle(keep_prefetch=True)   # the last step's work in flight; its failover, if any
+        # The last step's work in flight; its failover, if any. No reads ahead with fp16 moments:
+        self._settle(keep_prefetch=self.fp16_moments is None)   # their absmax pass reads first
         if self._halted is not None:
             raise self._halted
         self._check_whole()
@@ -251,9 +255,12 @@ class OffloadAdam:
             return
         order = self.next_order()
         stats.order = "ascending" if len(order) < 2 or order[0] < order[-1] else "descending"
+        # fp16 moments: every tensor's new scales before any moment is stored (only reads).
+        step_scales = self.fp16_moments and self.fp16_moments.step_scales(grads, hyper, inv_loss_scale, clip_coef,
+                                                                          grads_ready)
         hand_off = None if wait else ParamHandOff(self.plan, on_subgroup_done)
         inputs = StepInputs(grads, params_out, hyper, inv_loss_scale, clip_coef,
-                            on_subgroup_done if wait else hand_off.done, grads_ready, self.trace)
+                            on_subgroup_done if wait else hand_off.done, grads_ready, self.trace, step_scales)
         step_no = hyper[0]["step"] if hyper else self._iteration + 1
         if self.trace is not None:
             self.trace.begin_step(step_no)
@@ -265,6 +272,8 @@ class OffloadAdam:
             # next step's bias correction.
             for g, n in zip(sorted(self.state), steps):
                 self.state[g]["step"] = n
+            if step_scales is not None:
+                self.fp16_moments.table.commit(step_scales)
             self._iteration += 1
             stats.step_s = time.perf_counter() - t_step
 
@@ -274,7 +283,7 @@ class OffloadAdam:
                 self.trace.end_step(step_no)
 
         prefetch_for = (lambda: Prefetch(self, self.next_order(), self.residency.keep_for(self.next_order()))) \
-            if self.config.overlap_io else None
+            if self.config.overlap_io and self.fp16_moments is None else None
         try:
             keep, carried = self.residency.plan_step(order)
             pipeline = StepPipeline(self, order, keep, carried, inputs, stats, self.in_flight.take_prefetch(order, keep))
@@ -303,17 +312,11 @@ class OffloadAdam:
         """The step's figures, and the failover of the tiers whose write-backs failed (see ``step``)."""
         stats.peak_host_bytes = self.peak_host_bytes   # the pool's peak + staging: the whole budget
         self.last_step_stats = stats.as_dict()
-        failing = self.tiers.failing(failed_flushes)
         try:
-            if failing:
-                earlier = tuple(t["path"] for t in self.failover.failed_tiers)
-                try:
-                    self.failover.add(take_out_of_service(self.residency, self.tiers, self.plan, failing, earlier))
-                except TierFailure as e:
-                    self.failover.add(e.report)
-                    self._halted = e
-                    e.step_completed = True   # every subgroup was updated and handed out (params_out)
-                    raise
+            self.failover.handle(self.residency, self.tiers, self.plan, self.tiers.failing(failed_flushes))
+        except TierFailure as e:
+            self._halted = e
+            raise
         finally:
             self.last_step_stats["failover"] = self.failover.as_dict()
 
@@ -368,7 +371,10 @@ class OffloadAdam:
         """
         self._check_open()
         self._check_whole()
-        return self.access.read_range(start, end)
+        out = self.access.read_range(start, end)
+        if self.fp16_moments is not None:
+            self.fp16_moments.unscale(start, out)
+        return out
 
     def write_range(self, start: int, end: int, param: torch.Tensor | None = None,
                     exp_avg: torch.Tensor | None = None, exp_avg_sq: torch.Tensor | None = None) -> None:
@@ -380,7 +386,8 @@ class OffloadAdam:
         have covered the shard: a checkpoint restored through this seam (Megatron's load).
         """
         self._check_open()
-        self.access.write_range(start, end, {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
+        write = self.fp16_moments.write if self.fp16_moments is not None else self.access.write_range
+        write(start, end, {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
         if self._partial_step is not None and all(t is not None for t in (param, exp_avg, exp_avg_sq)):
             self._restored = merge_range(self._restored, (int(start), int(end)))
             if self._restored == [(0, self.numel)]:
@@ -402,17 +409,8 @@ class OffloadAdam:
         self._check_whole()
         size = chunk_params or self.config.subgroup_params
         chunks = [LazyStateChunk(self, a, min(a + size, self.numel)) for a in range(0, self.numel, size)]
-        return {
-            "format": STATE_DICT_FORMAT,
-            "numel": self.numel,
-            "group_ranges": [list(r) for r in self.plan.group_ranges],
-            # Hyper-parameters only: a caller's group may also hold its "params" (model tensors).
-            "param_groups": [copy.deepcopy({k: v for k, v in g.items() if k != "params"})
-                             for g in self.param_groups],
-            "steps": [self.state[g]["step"] for g in sorted(self.state)],
-            "iteration": self._iteration,
-            "state": chunks,
-        }
+        return build_state_dict(STATE_DICT_FORMAT, self.numel, self.plan.group_ranges, self.param_groups,
+                                [self.state[g]["step"] for g in sorted(self.state)], self._iteration, chunks)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a ``state_dict`` from any OffloadAdam layout (subgroup size, tiers, placement).
@@ -429,14 +427,15 @@ class OffloadAdam:
         try:
             groups, steps, iteration, chunks = check_state_dict(state_dict, self.numel, self.plan.group_ranges,
                                                                 STATE_DICT_FORMAT)
-            self.access.load_chunks(chunks, self.numel, covered)
+            self.access.load_chunks(chunks, self.numel, covered, self.fp16_moments and
+                                    self.fp16_moments.loader(chunks, self.numel))
         except BaseException as e:
             # The state may be part new, part old, or the caller meant to replace it and could not:
             # no step and no save until a load succeeds.
             self._mark_partial(f"load_state_dict refused at element {covered[0]}: {type(e).__name__}: {e}")
             raise
         for group, saved in zip(self.param_groups, groups):
-            group.update(copy.deepcopy({k: v for k, v in saved.items() if k != "params"}))
+            group.update(hyper_of(saved))
         for g, step in zip(sorted(self.state), steps):
             self.state[g]["step"] = step
         self._iteration = iteration

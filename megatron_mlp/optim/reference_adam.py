@@ -107,3 +107,64 @@ class ReferenceAdamW:
                 st = self.optimizer.state.get(p)
                 parts.append(st[name].reshape(-1) if st else torch.zeros(e - s))
         return torch.cat(parts) if parts else torch.zeros(0)
+
+
+class ReferenceFp16MomentAdamW:
+    """AdamW over ``[0, numel)`` with fp16 moments scaled per tensor: each tensor of
+    ``tensor_ranges`` (tiling the shard, inside one group of ``group_ranges``) stepped by
+    ``adamw_step_fp16_moments`` with its group's hyper-parameters -- stock's precision-aware
+    optimizer with ``--exp-avg-dtype fp16 --exp-avg-sq-dtype fp16``, one tensor at a time."""
+
+    def __init__(self, group_ranges, param_groups, tensor_ranges, initial_params: torch.Tensor):
+        from megatron_mlp.optim.moment_scaling import MomentScales
+        self.tensors = [(int(s), int(e)) for s, e in tensor_ranges if e > s]
+        self.group_of = []
+        for s, e in self.tensors:
+            g = next(k for k, (a, b) in enumerate(group_ranges) if a <= s and e <= b)
+            self.group_of.append(g)
+        self.groups = [dict(lr=g["lr"], weight_decay=g.get("weight_decay", 0.0), betas=tuple(g.get("betas", (0.9, 0.999))),
+                            eps=g.get("eps", 1e-8)) for g in param_groups]
+        self.param = initial_params.detach().clone().float().reshape(-1)
+        numel = self.param.numel()
+        self.m = torch.zeros(numel, dtype=torch.float16)
+        self.v = torch.zeros(numel, dtype=torch.float16)
+        self.scales = [MomentScales() for _ in self.tensors]
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self, grads: torch.Tensor, inv_loss_scale: float = 1.0, clip_coef: float = 1.0) -> None:
+        self.steps += 1
+        for k, (s, e) in enumerate(self.tensors):
+            g = grads[s:e].float()
+            if inv_loss_scale != 1.0:
+                g = g * inv_loss_scale
+            if clip_coef != 1.0:
+                g = g * clip_coef
+            h = self.groups[self.group_of[k]]
+            self.scales[k] = adamw_step_fp16_moments(
+                self.param[s:e], self.m[s:e], self.v[s:e], g, scales=self.scales[k], lr=h["lr"], beta1=h["betas"][0],
+                beta2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"], step=self.steps)
+
+    def state(self, name: str) -> torch.Tensor:
+        """Flat fp32 ``param``, or a moment unscaled (``h.float() * scale``, stock's ``get_unscaled_state``)."""
+        if name == "param":
+            return self.param.clone()
+        out = (self.m if name == "exp_avg" else self.v).float()
+        for k, (s, e) in enumerate(self.tensors):
+            scale = self.scales[k].exp_avg if name == "exp_avg" else self.scales[k].exp_avg_sq
+            out[s:e].mul_(torch.tensor(scale, dtype=torch.float32))
+        return out
+
+    def reload(self) -> None:
+        """What a checkpoint round trip does to the moments in stock: each tensor's unscaled fp32
+        moments stored again with a scale from their own absmax (``set_scaled_state``)."""
+        from megatron_mlp.optim.moment_scaling import MomentScales, scale_for
+        m32, v32 = self.state("exp_avg"), self.state("exp_avg_sq")
+        for k, (s, e) in enumerate(self.tensors):
+            new = []
+            for unscaled, stored in ((m32[s:e], self.m[s:e]), (v32[s:e], self.v[s:e])):
+                low, high = torch.aminmax(unscaled)
+                scale, rscale = scale_for(float(torch.maximum(-low, high)))
+                stored.copy_(unscaled * torch.tensor(rscale, dtype=torch.float32))
+                new.append(scale)
+            self.scales[k] = MomentScales(*new)

@@ -66,16 +66,14 @@ class StateAccess:
                     if t is not None:
                         views[name][lo - sg.start:hi - sg.start].copy_(t.reshape(-1)[lo - start:hi - start])
 
-    def load_chunks(self, chunks, numel: int, covered: list) -> None:
+    def load_chunks(self, chunks, numel: int, covered: list, write=None) -> None:
         """Write a checkpoint's chunks (lazy or ``{"start", "end", "param", ...}`` dicts, any order),
-        each checked as it is read; ``covered[0]``: the elements written so far (for the error)."""
-        for k, chunk in enumerate(sorted(chunks, key=_chunk_start)):
-            data = chunk.materialize() if isinstance(chunk, LazyStateChunk) else chunk
-            start, end = check_chunk(data, k, covered[0], numel)
-            self.write_range(start, end, {name: data[name] for name in STATE_NAMES})
+        each checked as it is read; ``covered[0]``: the elements written so far (for the error).
+        ``write(start, end, given)``: how a chunk is written (default ``write_range``)."""
+        write = write or self.write_range
+        for start, end, data in checked_chunks(chunks, numel, covered):
+            write(start, end, {name: data[name] for name in STATE_NAMES})
             covered[0] = end
-        if covered[0] != numel:
-            raise ValueError(f"load_state_dict: 'state' covers [0, {covered[0]}) of [0, {numel})")
 
     def write_initial(self, initial_params, numel: int) -> None:
         """Write every subgroup's first state: params from ``initial_params`` (or zeros), zero moments."""
@@ -155,11 +153,32 @@ class StateAccess:
             flush.write_piece(k, (u8, sg.piece_buffer_offsets(lo, hi)), lambda error, b=buf: written(b, error))
         return flush.finish(_join_array_crcs(array_crcs, sg) if store.checksum else None)
 
+    def scan(self, sg: Subgroup, consume) -> None:
+        """Show ``sg``'s state as stored to ``consume(lo, arrays)``: ``arrays`` the param (fp32),
+        exp_avg and exp_avg_sq (their dtype) of its elements ``[lo, lo + len)``, in host memory when
+        resident, else read (whole, or piece by piece where the budget holds no whole subgroup)
+        and verified: a corrupt region raises ``IntegrityError`` once it is all read."""
+        if self._in_pieces(sg):
+            self._scan_pieces(sg, lambda a, b, arrays: consume(a, arrays))
+            return
+        with self.subgroup(sg) as views:
+            consume(0, [views[name] for name in STATE_NAMES])
+
     def _read_in_pieces(self, sg: Subgroup, lo: int, hi: int, out: dict) -> None:
         """Elements ``[lo, hi)`` of ``sg`` (relative to its start) into ``out`` (fp32, by state name),
         read piece by piece through one piece buffer. Every piece is read, so the region's crc32c
         (chained array by array, as written) is checked against the record before this returns:
         a corrupt region raises ``IntegrityError`` and what was copied is not handed out."""
+        def copy(a, b, arrays):
+            first, last = max(lo, a), min(hi, b)
+            if first < last:
+                for name, array in zip(STATE_NAMES, arrays):
+                    out[name][first - lo:last - lo].copy_(array[first - a:last - a])
+        self._scan_pieces(sg, copy)
+
+    def _scan_pieces(self, sg: Subgroup, consume) -> None:
+        """Read ``sg`` piece by piece through one piece buffer, ``consume(a, b, arrays)`` each piece
+        ``[a, b)`` as it lands, then check the region's crc32c against the record."""
         import errno
 
         memory, pool, store = self.residency.host_memory, self.residency.pool, self.tiers.of(sg.index)
@@ -177,10 +196,7 @@ class StateAccess:
                     snapshot[1], [ranges]))
                 if store.checksum:
                     _chain_piece_crcs(array_crcs, u8, sg, a, b)
-                first, last = max(lo, a), min(hi, b)
-                if first < last:
-                    for name, array in zip(STATE_NAMES, sg.piece_views(u8, a, b)):
-                        out[name][first - lo:last - lo].copy_(array[first - a:last - a])
+                consume(a, b, sg.piece_views(u8, a, b))
         except TierIOError as e:
             if e.errno == errno.ETIMEDOUT:
                 pool.abandon(buf)   # the timed-out read may still write into it
@@ -200,6 +216,19 @@ class StateAccess:
             if buf is not None:   # a piece-wise write gave its buffers back as it went
                 self.residency.release(buf)
             fut.result()
+
+
+def checked_chunks(chunks, numel: int, covered: list):
+    """``(start, end, data)`` of a checkpoint's chunks in order, each materialized and checked
+    (``check_chunk``) as it comes; ``covered[0]`` is where the next must start. Raises
+    ``ValueError`` when they do not cover ``[0, numel)``."""
+    for k, chunk in enumerate(sorted(chunks, key=_chunk_start)):
+        data = chunk.materialize() if isinstance(chunk, LazyStateChunk) else chunk
+        start, end = check_chunk(data, k, covered[0], numel)
+        yield start, end, data
+        covered[0] = end
+    if covered[0] != numel:
+        raise ValueError(f"load_state_dict: 'state' covers [0, {covered[0]}) of [0, {numel})")
 
 
 def _chain_piece_crcs(array_crcs: list, piece, sg: Subgroup, lo: int, hi: int) -> None:

@@ -7,7 +7,7 @@ hyper-parameters updates a whole subgroup.
 
 A subgroup's state is three arrays: the fp32 param (the master copy) and Adam's exp_avg and
 exp_avg_sq, fp32 or -- with Megatron's precision-aware optimizer and ``--exp-avg-dtype bf16
---exp-avg-sq-dtype bf16`` -- bf16 (``moment_bytes`` 4 or 2: 12 or 8 bytes per element). On storage
+--exp-avg-sq-dtype bf16`` (or fp16) -- 16-bit (``moment_bytes`` 4 or 2: 12 or 8 bytes per element). On storage
 and in host buffers they are laid out as one *region*: ``[param | exp_avg | exp_avg_sq]``, each
 array padded to the same element count, a multiple of ``align_elems`` (4096 bytes of the narrowest
 array), so every array and every region starts 4096-aligned (O_DIRECT) and a subgroup moves with
@@ -31,12 +31,14 @@ FP32_BYTES = 4
 ALIGN_ELEMS = ALIGN_BYTES // FP32_BYTES
 STATE_NAMES = ("param", "exp_avg", "exp_avg_sq")
 MOMENT_TORCH_DTYPES = {4: torch.float32, 2: torch.bfloat16}
-"""The moments' storage dtype by its size (the param, the master copy, is always fp32)."""
+"""The moments' storage dtype by its size (the param, the master copy, is always fp32), unless
+the plan names one (fp16: ``SubgroupPlan(moment_dtype=torch.float16)``)."""
+MOMENT_DTYPE_BY_NAME = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def moment_bytes_of(moment_dtype: str) -> int:
-    """Bytes per moment element of the config's ``moment_dtype`` ('fp32' or 'bf16')."""
-    return {"fp32": 4, "bf16": 2}[moment_dtype]
+    """Bytes per moment element of the config's ``moment_dtype`` ('fp32', 'bf16' or 'fp16')."""
+    return {"fp32": 4, "bf16": 2, "fp16": 2}[moment_dtype]
 
 
 def state_bytes_per_param(moment_bytes: int = FP32_BYTES) -> int:
@@ -56,13 +58,14 @@ def align_up(value: int, alignment: int) -> int:
 @dataclass(frozen=True)
 class Subgroup:
     """One subgroup: elements ``[start, end)`` of the flat shard, inside param group ``group``;
-    ``moment_bytes`` 4 (fp32 moments) or 2 (bf16)."""
+    ``moment_bytes`` 4 (fp32 moments) or 2 (bf16, or fp16 where ``moment_torch_dtype`` says so)."""
 
     index: int
     group: int
     start: int
     end: int
     moment_bytes: int = FP32_BYTES
+    moment_torch_dtype: torch.dtype | None = None
 
     @property
     def numel(self) -> int:
@@ -79,7 +82,7 @@ class Subgroup:
 
     @property
     def moment_dtype(self) -> torch.dtype:
-        return MOMENT_TORCH_DTYPES[self.moment_bytes]
+        return self.moment_torch_dtype or MOMENT_TORCH_DTYPES[self.moment_bytes]
 
     @property
     def padded_numel(self) -> int:
@@ -165,11 +168,13 @@ class SubgroupPlan:
             a group may be empty (``start == end``) on a rank that holds none of its params.
         subgroup_params: maximum elements per subgroup (``--mlp-offload-subgroup-size``).
         moment_bytes: 4 (fp32 moments) or 2 (bf16: ``moment_bytes_of(config.moment_dtype)``).
+        moment_dtype: the moments' torch dtype where their size does not say it (fp16).
     Raises:
         ConfigError: ranges not contiguous from 0, or subgroup_params not positive.
     """
 
-    def __init__(self, group_ranges, subgroup_params: int, moment_bytes: int = FP32_BYTES):
+    def __init__(self, group_ranges, subgroup_params: int, moment_bytes: int = FP32_BYTES,
+                 moment_dtype: torch.dtype | None = None):
         if not isinstance(subgroup_params, int) or subgroup_params <= 0:
             raise ConfigError(f"--mlp-offload-subgroup-size: {subgroup_params!r} must be a positive integer")
         ranges = [(int(s), int(e)) for s, e in group_ranges]
@@ -184,6 +189,8 @@ class SubgroupPlan:
             expect = e
         if moment_bytes not in MOMENT_TORCH_DTYPES:
             raise ConfigError(f"moment_bytes: {moment_bytes!r} must be 4 (fp32 moments) or 2 (bf16)")
+        if moment_dtype is not None and moment_dtype.itemsize != moment_bytes:
+            raise ConfigError(f"moment_dtype: {moment_dtype} does not have {moment_bytes} bytes per element")
         self.moment_bytes = moment_bytes
         self.group_ranges: tuple[tuple[int, int], ...] = tuple(ranges)
         self.subgroup_params = subgroup_params
@@ -191,7 +198,8 @@ class SubgroupPlan:
         subgroups = []
         for g, (s, e) in enumerate(ranges):
             for a in range(s, e, subgroup_params):
-                subgroups.append(Subgroup(len(subgroups), g, a, min(a + subgroup_params, e), moment_bytes))
+                subgroups.append(Subgroup(len(subgroups), g, a, min(a + subgroup_params, e), moment_bytes,
+                                          moment_dtype))
         self.subgroups: tuple[Subgroup, ...] = tuple(subgroups)
         self._starts = [sg.start for sg in subgroups]
 

@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 
@@ -134,6 +135,19 @@ def check_state_dict(sd, numel: int, group_ranges: list, fmt: str) -> tuple[list
     if not isinstance(sd["state"], (list, tuple)):
         raise TypeError(f"load_state_dict: 'state' is a {type(sd['state']).__name__}, expected a list of chunks")
     return list(groups), steps, iteration, list(sd["state"])
+
+
+def hyper_of(group: dict) -> dict:
+    """A copy of a param group's hyper-parameters: without its "params" (a caller's model tensors)."""
+    return copy.deepcopy({k: v for k, v in group.items() if k != "params"})
+
+
+def build_state_dict(fmt: str, numel: int, group_ranges, param_groups: list, steps: list[int], iteration: int,
+                     chunks: list) -> dict:
+    """The layout-independent state ``check_state_dict`` takes back: hyper-parameters, steps, chunks."""
+    return {"format": fmt, "numel": numel, "group_ranges": [list(r) for r in group_ranges],
+            "param_groups": [hyper_of(g) for g in param_groups], "steps": list(steps), "iteration": iteration,
+            "state": chunks}
 
 
 def check_chunk(data, k: int, covered: int, numel: int) -> tuple[int, int]:

@@ -80,9 +80,9 @@ def test_piece_buffers_hold_a_piece_of_8_bytes_per_param_when_moments_are_bf16()
     assert piece_buffer_bytes(params) == 12 * (4096 + 2 * 1024)
 
 
-def test_config_refuses_moments_other_than_fp32_or_bf16_naming_megatrons_flags(tier_dirs):
-    with pytest.raises(ConfigError, match="--exp-avg-dtype.*'fp16'"):
-        MLPOffloadConfig.from_paths(tier_dirs[0], moment_dtype="fp16")
+def test_config_refuses_moments_other_than_fp32_bf16_or_fp16_naming_megatrons_flags(tier_dirs):
+    with pytest.raises(ConfigError, match="--exp-avg-dtype.*'fp8'"):
+        MLPOffloadConfig.from_paths(tier_dirs[0], moment_dtype="fp8")
 
 
 def test_subgroup_size_padding_bound_counts_bf16_pages_when_moments_are_bf16(tier_dirs):

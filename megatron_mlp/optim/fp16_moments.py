@@ -1,0 +1,83 @@
+"""What fp16 moments add to ``OffloadAdam`` (``moment_dtype`` 'fp16'): the per-tensor scales, the
+absmax pass before each step, and the scaling of what goes in and out between steps.
+
+* A step's new scales need every element of each tensor before any is stored, so the step starts
+  with ``step_scales``: every subgroup's stored moments (host memory first, then the tiers,
+  verified) and its gradient through the kernel's arithmetic, storing nothing. It reads each
+  region not kept in host memory once more than bf16 moments do (8 bytes per param); nothing is
+  changed by it, so an error there leaves the state whole.
+* Reads give fp32 moments unscaled (stock's ``get_unscaled_state``); writes scale each whole
+  tensor from its own absmax (``set_scaled_state``), and a checkpoint's chunks, which may cut
+  tensors, are scaled from the absmax of each whole tensor gathered over the chunks first.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_mlp.optim.state_access import checked_chunks
+from megatron_mlp.optim.tensor_scales import MOMENTS, AbsmaxPass, StepScales, absmax_of, merge_absmax
+
+
+class Fp16Moments:
+    """The fp16 moments of one optimizer.
+
+    Args:
+        table: the ``TensorScales`` of its tensors.
+        plan, residency, access: the optimizer's ``SubgroupPlan``, ``Residency`` and ``StateAccess``.
+        threads: kernel threads for the absmax pass.
+    """
+
+    def __init__(self, table, plan, residency, access, threads: int):
+        self.table, self.plan, self.residency, self.access, self.threads = table, plan, residency, access, threads
+
+    def step_scales(self, grads, hyper, inv_loss_scale, clip_coef, grads_ready) -> StepScales:
+        """The absmax pass: the step's ``StepScales`` (old scales, new reciprocals) for the kernel."""
+        gathered = AbsmaxPass(self.table)
+        for sg in sorted(self.plan, key=lambda sg: sg.index not in self.residency):   # host memory first
+            if grads_ready is not None:
+                grads_ready(sg.start, sg.end)
+            h = hyper[sg.group]
+
+            def consume(lo, arrays, sg=sg, h=h):
+                a = sg.start + lo
+                gathered.add(a, arrays[1], arrays[2], grads[a:a + arrays[1].numel()], beta1=h["beta1"],
+                             beta2=h["beta2"], inv_loss_scale=inv_loss_scale, clip_coef=clip_coef,
+                             num_threads=self.threads)
+            self.access.scan(sg, consume)
+        return self.table.step_scales(gathered.result())
+
+    def unscale(self, start: int, state: dict) -> None:
+        """fp32 ``state`` read from flat ``start`` on: its moments times their tensors' scales, in place."""
+        for name in MOMENTS:
+            self.table.unscale(start, name, state[name])
+
+    def write(self, start: int, end: int, given: dict, absmax: dict | None = None) -> None:
+        """``StateAccess.write_range`` with the moments scaled per tensor on the way; the table takes
+        their scales once they are written. ``absmax``: per moment, ``{tensor: absmax}`` of the
+        tensors the range cuts (``chunk_absmax``).
+
+        Raises:
+            ValueError: a moment of the wrong length, or a range that cuts a tensor whose absmax is not given.
+        """
+        recorded, given = {}, dict(given)
+        for name in MOMENTS:
+            t = given.get(name)
+            if t is not None:
+                if t.numel() != end - start:
+                    raise ValueError(f"write_range({start}, {end}): {name} has {t.numel()} elements, "
+                                     f"expected {end - start}")
+                given[name], recorded[name] = self.table.encode(start, name, t.reshape(-1), (absmax or {}).get(name))
+        self.access.write_range(start, end, given)
+        for name, scales in recorded.items():
+            self.table.record(name, scales)
+
+    def loader(self, chunks, numel: int):
+        """``write`` for a checkpoint's ``chunks``, with the absmax of every tensor they cut."""
+        absmax = {name: {} for name in MOMENTS}
+        for lo, _, data in checked_chunks(chunks, numel, [0]):
+            for name, acc in absmax.items():
+                values = data[name].reshape(-1)
+                for t, a, b in self.table.segments(lo, lo + values.numel()):
+                    part = float(absmax_of(values[a - lo:b - lo].to(torch.float32)))
+                    acc[t] = merge_absmax(acc[t], part) if t in acc else part
+        return lambda start, end, given: self.write(start, end, given, absmax)
