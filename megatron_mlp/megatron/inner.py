@@ -36,16 +36,18 @@ class Segment:
 
 
 def default_inner_factory(mlp_config, group_ranges, param_groups, initial_params, staging_bytes=0,
-                          token_factory=None, placement=None):
+                          token_factory=None, placement=None, tensor_ranges=None):
     """OffloadAdam over one optimizer's shard. ``token_factory``: shared by the optimizers of one
     rank (``chained.shared_token_factory``); None builds this optimizer's own tokens. ``placement``:
-    its row of the rank's optimizers' one placement (``chained.finish_build``); None places it alone."""
+    its row of the rank's optimizers' one placement (``chained.finish_build``); None places it alone.
+    ``tensor_ranges``: each param's range of the shard (fp16 moments are scaled per tensor)."""
     from megatron_mlp.optim.offload_adam import OffloadAdam
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     return OffloadAdam(mlp_config, group_ranges=group_ranges, param_groups=param_groups,
                        initial_params=initial_params, rank=rank, ranks_per_node=mlp_config.ranks_per_node,
-                       staging_bytes=staging_bytes, token_factory=token_factory, placement=placement)
+                       staging_bytes=staging_bytes, token_factory=token_factory, placement=placement,
+                       tensor_ranges=tensor_ranges)
 
 
 class OffloadInner:

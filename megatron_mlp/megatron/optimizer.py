@@ -77,7 +77,7 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         # Refused before Megatron allocates anything: each would train differently from what
         # the flags say, silently.
         refuse_unsupported_config(config, args[0] if args else kwargs.get("model_chunks"))
-        # --exp-avg-dtype / --exp-avg-sq-dtype: what the tier stores the moments in (fp32 or bf16).
+        # --exp-avg-dtype / --exp-avg-sq-dtype: what the tier stores the moments in (fp32, bf16 or fp16).
         self._moment_dtype = moment_dtype_of(config)
         # Private copy: the caller's config (shared with other optimizers) keeps its meaning.
         config = copy.copy(config)
@@ -119,7 +119,7 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
     @property
     def offload_numel(self) -> int:
         """Elements of this rank's shard the host's offload optimizer steps: its optimizer state is 12
-        bytes each (8 with bf16 moments); the rest, if any, is kept on the device."""
+        bytes each (8 with 16-bit moments); the rest, if any, is kept on the device."""
         return self._host_numel
 
     @property
@@ -162,6 +162,8 @@ class MLPOffloadDistributedOptimizer(DistributedOptimizer):
         extra = {}
         if factory is default_inner_factory:
             extra = {k: v for k, v in (("token_factory", token_factory), ("placement", placement)) if v is not None}
+        if mlp_config.moment_dtype == "fp16":   # scaled per tensor: each param's shard is one
+            extra["tensor_ranges"] = sorted(self._param_flat_range.values())
         self.optimizer.offload = factory(mlp_config, self._host_group_ranges, self.optimizer.param_groups,
                                          self._initial_params, staging_bytes=staging, **extra)
 

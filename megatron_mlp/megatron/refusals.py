@@ -1,6 +1,6 @@
 """Megatron configurations MLPOffloadDistributedOptimizer refuses where it detects them: each would
 train differently from stock, silently (the tier and the fused kernel keep fp32 master params and
-fp32 or bf16 Adam moments and apply one AdamW clip coefficient per step)."""
+fp32, bf16 or per-tensor scaled fp16 Adam moments and apply one AdamW clip coefficient per step)."""
 from __future__ import annotations
 
 import torch
@@ -11,43 +11,45 @@ def _name(dtype) -> str:
 
 
 _MOMENT_REASONS = {
-    torch.float16: "stock keeps fp16 moments with a per-tensor scale recomputed every step (absmax / "
-                   "(fp16 max / 2)), which the tier and the fused kernel do not implement",
-    torch.uint8: "8-bit (fp8) moments need stock's per-tensor scaling, which the tier and the fused kernel "
+    torch.uint8: "8-bit (fp8) moments need stock's per-tensor fp8 scaling, which the tier and the fused kernel "
                  "do not implement",
 }
+_MOMENT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def moment_dtype_of(config) -> str:
-    """What the tier stores Adam's moments in, from Megatron's OptimizerConfig: 'bf16' where
-    ``--use-precision-aware-optimizer`` came with ``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``
-    (8 bytes per param with the fp32 master), else 'fp32' (12).
+    """What the tier stores Adam's moments in, from Megatron's OptimizerConfig: 'bf16' or 'fp16'
+    where ``--use-precision-aware-optimizer`` came with ``--exp-avg-dtype`` and ``--exp-avg-sq-dtype``
+    both bf16 or both fp16 (8 bytes per param with the fp32 master; fp16 scaled per tensor as
+    stock's FusedAdam does), else 'fp32' (12).
 
     Raises:
-        ValueError: moments in fp16 or 8 bits, or the two moments in different dtypes (names the flags).
+        ValueError: moments in 8 bits, or the two moments in different dtypes (names the flags).
     """
     given = {flag: getattr(config, field, torch.float32)
              for field, flag in (("exp_avg_dtype", "--exp-avg-dtype"), ("exp_avg_sq_dtype", "--exp-avg-sq-dtype"))}
     for flag, dtype in given.items():
-        if dtype not in (torch.float32, torch.bfloat16):
-            reason = _MOMENT_REASONS.get(dtype, "the tier stores moments in fp32 or bf16")
-            raise ValueError(f"--mlp-offload: {flag} {_name(dtype)} is not supported: {reason}; use bf16 or fp32")
+        if dtype not in _MOMENT_NAMES:
+            reason = _MOMENT_REASONS.get(dtype, "the tier stores moments in fp32, bf16 or fp16")
+            raise ValueError(f"--mlp-offload: {flag} {_name(dtype)} is not supported: {reason}; use bf16, fp16 "
+                             "or fp32")
     m, v = given.values()
     if m != v:
         raise ValueError(f"--mlp-offload: --exp-avg-dtype {_name(m)} with --exp-avg-sq-dtype {_name(v)} is not "
-                         "supported: the tier stores both moments in one dtype; give both bf16 (or both fp32)")
-    return "bf16" if m == torch.bfloat16 else "fp32"
+                         "supported: the tier stores both moments in one dtype; give both the same (bf16, fp16 "
+                         "or fp32)")
+    return _MOMENT_NAMES[m]
 
 
 def refuse_unsupported_config(config, model_chunks) -> None:
     """Megatron options that change the optimizer's arithmetic or state layout in ways the tier
-    and the fused kernel (fp32 master params, fp32 or bf16 m and v, AdamW) do not implement."""
+    and the fused kernel (fp32 master params, fp32, bf16 or fp16 m and v, AdamW) do not implement."""
     main = getattr(config, "main_params_dtype", torch.float32)
     if main != torch.float32:
         raise ValueError(f"--mlp-offload: --main-params-dtype {_name(main)} is not supported: stock keeps 16-bit "
                          "master params with a per-tensor scale (fp16) that the tier does not implement; the tier "
-                         "keeps fp32 master params (drop the flag; --exp-avg-dtype/--exp-avg-sq-dtype bf16 are "
-                         "supported)")
+                         "keeps fp32 master params (drop the flag; --exp-avg-dtype/--exp-avg-sq-dtype bf16 or fp16 "
+                         "are supported)")
     grads = getattr(config, "main_grads_dtype", torch.float32)
     if grads != torch.float32:
         raise ValueError(f"--mlp-offload: --main-grads-dtype {_name(grads)} is not supported; the kernel reads "

@@ -98,17 +98,20 @@ def test_bf16_moments_train_bitwise_like_torch_adamw_with_bf16_rounded_moments_w
             assert s["moment_dtype"] == "bf16" and s["state_bytes"] == 8 * s["numel"], s
 
 
-def test_precision_aware_optimizer_with_bf16_moments_selects_bf16_moments():
+def test_precision_aware_optimizer_with_16_bit_moments_selects_that_dtype():
     cfg = SimpleNamespace(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
                           exp_avg_sq_dtype=torch.bfloat16)
     refuse_unsupported_config(cfg, [])
     assert moment_dtype_of(cfg) == "bf16"
     assert moment_dtype_of(SimpleNamespace()) == "fp32"
+    fp16 = SimpleNamespace(use_precision_aware_optimizer=True, exp_avg_dtype=torch.float16,
+                           exp_avg_sq_dtype=torch.float16)
+    refuse_unsupported_config(fp16, [])
+    assert moment_dtype_of(fp16) == "fp16"
 
 
 @pytest.mark.parametrize("fields,match", [
-    (dict(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16), "--exp-avg-dtype float16.*per-tensor scale"),
-    (dict(exp_avg_sq_dtype=torch.float16), "--exp-avg-sq-dtype float16.*per-tensor scale"),
+    (dict(exp_avg_sq_dtype=torch.float16), "--exp-avg-dtype float32 with --exp-avg-sq-dtype float16.*one dtype"),
     (dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8), "--exp-avg-dtype uint8.*8-bit"),
     (dict(exp_avg_dtype=torch.bfloat16), "--exp-avg-dtype bfloat16 with --exp-avg-sq-dtype float32.*one dtype"),
     (dict(main_params_dtype=torch.float16), "--main-params-dtype float16.*fp32 master"),
