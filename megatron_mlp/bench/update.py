@@ -101,10 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "see WARMUP_STEPS)")
     p.add_argument("--grad-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--state-dtype", default="fp32", metavar="LIST",
-                   help="Adam moment dtypes to run MLP-Offload's update at, e.g. fp32,bf16 (bf16: Megatron's "
-                        "--exp-avg-dtype/--exp-avg-sq-dtype bf16, 8 instead of 12 bytes per param). fp32 is "
-                        "always run: the baseline and the ablation store fp32 state, as DeepSpeed does; each "
-                        "further dtype reruns MLP-Offload at the headline budget")
+                   help="Adam moment dtypes to run MLP-Offload's update at, e.g. fp32,bf16,fp16 (bf16/fp16: "
+                        "Megatron's --exp-avg-dtype/--exp-avg-sq-dtype, 8 instead of 12 bytes per param stored; "
+                        "fp16 is scaled per tensor, which reads the moments once more each step for the absmax). "
+                        "fp32 is always run: the baseline and the ablation store fp32 state, as DeepSpeed does; "
+                        "each further dtype reruns MLP-Offload at the headline budget")
     p.add_argument("--calib-bytes", default="4GB",
                    help="bytes per pass of the bandwidth measurement of a real tier (default 4GB; an emulated "
                         "tier's passes are at most one second of its cap)")
@@ -179,8 +180,7 @@ def _state_dtypes(text: str) -> list[str]:
     given = [part.strip() for part in str(text).split(",") if part.strip()]
     for d in given:
         if d not in MOMENT_DTYPES:
-            raise ConfigError(f"--state-dtype: {d!r} is not one of {', '.join(MOMENT_DTYPES)} (fp16 moments need "
-                              "stock's per-tensor scaling, which the tier does not implement)")
+            raise ConfigError(f"--state-dtype: {d!r} is not one of {', '.join(MOMENT_DTYPES)}")
     if not given:
         raise ConfigError(f"--state-dtype: {text!r} names no dtype")
     return ["fp32"] + [d for d in dict.fromkeys(given) if d != "fp32"]

@@ -75,6 +75,16 @@ def _streams(args, tiers, numel: int) -> bool:
     return host_memory_for(SubgroupPlan([(0, numel)], args.subgroup_params), run_config(args, tiers)).streams
 
 
+BENCH_TENSOR_PARAMS = 4096 * 4096
+"""The tensors of the benchmark's shard (fp16 moments are scaled per tensor): a hidden-size-4096
+weight matrix each, as a 7B-class model's rank holds them, the last one what is left."""
+
+
+def bench_tensor_ranges(numel: int) -> list[tuple[int, int]]:
+    """The benchmark shard's tensors, ``BENCH_TENSOR_PARAMS`` elements each."""
+    return [(a, min(a + BENCH_TENSOR_PARAMS, numel)) for a in range(0, numel, BENCH_TENSOR_PARAMS)]
+
+
 def state_dtype_name(dtype: str) -> str:
     """The variant name of MLP-Offload with its moments stored in ``dtype`` (``--state-dtype``)."""
     return f"MLP-Offload, {dtype} moments"
@@ -143,7 +153,7 @@ def run_rank(rank: int, args, tiers, barrier, queue=None) -> dict:
         for name, overrides in variants:
             barrier.wait()
             opt = OffloadAdam(run_config(args, tiers, **overrides), [(0, numel)], [{"lr": 1e-3}], None,
-                              rank=rank, ranks_per_node=args.ranks)
+                              rank=rank, ranks_per_node=args.ranks, tensor_ranges=bench_tensor_ranges(numel))
             if name == MLP_NAME and getattr(args, "trace", None):
                 from megatron_mlp.observe.trace import StepTrace
                 opt.attach_trace(StepTrace(trace_path(args.trace, rank), args.trace_window, rank))
