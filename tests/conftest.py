@@ -25,6 +25,17 @@ def shm_dir():
 
 
 @pytest.fixture
+def tier_dirs(disk_dir, shm_dir):
+    """Three tier directories: two on the disk and one on tmpfs, in the order disk, tmpfs, disk
+    (tests that take the first one, two or three get one device, two kinds, or both kinds twice).
+    A test module may define its own."""
+    a, b = os.path.join(disk_dir, "a"), os.path.join(disk_dir, "b")
+    os.mkdir(a)
+    os.mkdir(b)
+    return [a, shm_dir, b]
+
+
+@pytest.fixture
 def kernel_threads_used(monkeypatch):
     """The ``num_threads`` of every fused Adam call from now on (the kernel still runs)."""
     import megatron_mlp.optim.fused_adam as fused_adam

@@ -23,6 +23,7 @@ from megatron_mlp.config import MLPOffloadConfig  # noqa: E402
 from megatron_mlp.megatron.refusals import moment_dtype_of, refuse_unsupported_config  # noqa: E402
 from megatron_mlp.testing import gpt  # noqa: E402
 from megatron_mlp.testing.multiproc import run_distributed  # noqa: E402
+from megatron_mlp.testing.precision_aware import moment_checkpoint_run, moment_train  # noqa: E402
 from megatron_mlp.testing.reference_offload import InMemoryAdam  # noqa: E402
 
 SPEC = gpt.TinyGPT()
@@ -40,55 +41,13 @@ class Bf16MomentInMemoryAdam(InMemoryAdam):
                     st[name].copy_(st[name].bfloat16())
 
 
-def _use_bf16_moments() -> None:
-    """In this rank's process: every OptimizerConfig the runs build asks for bf16 moments."""
-    make = gpt.optimizer_config
-
-    def with_bf16_moments(spec, **overrides):
-        cfg = make(spec, **overrides)
-        cfg.exp_avg_dtype = cfg.exp_avg_sq_dtype = torch.bfloat16
-        return cfg
-
-    gpt.optimizer_config = with_bf16_moments
-
-
-def bf16_moment_train(rank, world_size, spec, mlp_config, iters, inner_factory=None):
-    """runs.train with the OptimizerConfig's moment dtypes set to bf16; also returns what the
-    offload optimizer of each distributed optimizer stores."""
-    from megatron_mlp.testing import runs
-
-    _use_bf16_moments()
-    model, opt = runs.build(spec, 1, mlp_config, inner_factory=inner_factory)
-    losses = [gpt.train_step(spec, model, opt, i) for i in range(iters)]
-    stored = []
-    for dopt in runs.inner_optimizers(opt):
-        off = dopt.optimizer.offload
-        stored.append({"moment_dtype": off.config.moment_dtype, "numel": off.numel,
-                       "state_bytes": getattr(off.plan, "state_bytes", None)})
-    return losses, gpt.model_params(model), stored
-
-
-def bf16_moment_checkpoint_run(rank, world_size, spec, mlp_config, iters_before, iters_after, ckpt_dir, mode):
-    """runs.checkpoint_run (torch_dist, the installed line's default format) with bf16 moments."""
-    import megatron.core
-    from packaging.version import Version
-
-    from megatron_mlp.testing import runs
-    # 0.15 added dp_reshardable (its default); before it the default is dp_zero_gather_scatter.
-    sharding = "dp_reshardable" if Version(megatron.core.__version__) >= Version("0.15") else "dp_zero_gather_scatter"
-
-    _use_bf16_moments()
-    return runs.checkpoint_run(rank, world_size, spec, 1, mlp_config, iters_before, iters_after, ckpt_dir, mode,
-                               sharding)
-
-
 def _config(tmp_path, **kw):
     return MLPOffloadConfig.from_paths(str(tmp_path), calibration="off", subgroup_params=20_480, **kw)
 
 
 def test_bf16_moments_train_bitwise_like_torch_adamw_with_bf16_rounded_moments_when_dp_is_2(tmp_path):
-    real = run_distributed(bf16_moment_train, 2, SPEC, _config(tmp_path / "a"), 6)
-    oracle = run_distributed(bf16_moment_train, 2, SPEC, _config(tmp_path / "b"), 6, Bf16MomentInMemoryAdam)
+    real = run_distributed(moment_train, 2, torch.bfloat16, SPEC, _config(tmp_path / "a"), 6)
+    oracle = run_distributed(moment_train, 2, torch.bfloat16, SPEC, _config(tmp_path / "b"), 6, Bf16MomentInMemoryAdam)
     for (losses, params, stored), (ref_losses, ref_params, _) in zip(real, oracle):
         assert losses == ref_losses
         assert params.keys() == ref_params.keys()
@@ -125,8 +84,8 @@ def test_16_bit_state_the_tier_does_not_store_is_refused_at_start_naming_the_fla
 
 def test_resume_from_a_torch_dist_checkpoint_with_bf16_moments_is_bitwise_when_dp_is_2(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    saved = run_distributed(bf16_moment_checkpoint_run, 2, SPEC, _config(tmp_path / "a"), 3, 3, ckpt, "save")
-    loaded = run_distributed(bf16_moment_checkpoint_run, 2, SPEC, _config(tmp_path / "b"), 3, 3, ckpt, "load")
+    saved = run_distributed(moment_checkpoint_run, 2, torch.bfloat16, SPEC, _config(tmp_path / "a"), 3, 3, ckpt, "save")
+    loaded = run_distributed(moment_checkpoint_run, 2, torch.bfloat16, SPEC, _config(tmp_path / "b"), 3, 3, ckpt, "load")
     for (losses, params, _), (ref_losses, ref_params, state) in zip(loaded, saved):
         assert losses == ref_losses
         for name in params:

@@ -21,6 +21,7 @@ from megatron_mlp.config import MLPOffloadConfig  # noqa: E402
 from megatron_mlp.optim.reference_adam import ReferenceFp16MomentAdamW  # noqa: E402
 from megatron_mlp.testing import gpt  # noqa: E402
 from megatron_mlp.testing.multiproc import run_distributed  # noqa: E402
+from megatron_mlp.testing.precision_aware import moment_checkpoint_run, moment_train  # noqa: E402
 from megatron_mlp.testing.reference_offload import InMemoryAdam  # noqa: E402
 
 SPEC = gpt.TinyGPT()
@@ -61,55 +62,14 @@ class Fp16MomentInMemoryAdam(InMemoryAdam):
         raise NotImplementedError("the fp16 oracle is for training runs; checkpoints are compared run to run")
 
 
-def _use_fp16_moments() -> None:
-    """In this rank's process: every OptimizerConfig the runs build asks for fp16 moments."""
-    make = gpt.optimizer_config
-
-    def with_fp16_moments(spec, **overrides):
-        cfg = make(spec, **overrides)
-        cfg.exp_avg_dtype = cfg.exp_avg_sq_dtype = torch.float16
-        return cfg
-
-    gpt.optimizer_config = with_fp16_moments
-
-
-def fp16_moment_train(rank, world_size, spec, mlp_config, iters, inner_factory=None):
-    """runs.train with fp16 moments; also returns what each offload optimizer stores."""
-    from megatron_mlp.testing import runs
-
-    _use_fp16_moments()
-    model, opt = runs.build(spec, 1, mlp_config, inner_factory=inner_factory)
-    losses = [gpt.train_step(spec, model, opt, i) for i in range(iters)]
-    stored = []
-    for dopt in runs.inner_optimizers(opt):
-        off = dopt.optimizer.offload
-        stored.append({"moment_dtype": off.config.moment_dtype, "numel": off.numel,
-                       "tensors": len(off.fp16_moments.table.ranges if hasattr(off, "fp16_moments") else off.ref.tensors),
-                       "params": sum(1 for s, e in dopt._param_flat_range.values() if e > s),
-                       "state_bytes": getattr(off.plan, "state_bytes", None)})
-    return losses, gpt.model_params(model), stored
-
-
-def fp16_moment_checkpoint_run(rank, world_size, spec, mlp_config, iters_before, iters_after, ckpt_dir, mode):
-    """runs.checkpoint_run (torch_dist, the installed line's default format) with fp16 moments."""
-    import megatron.core
-    from packaging.version import Version
-
-    from megatron_mlp.testing import runs
-    sharding = "dp_reshardable" if Version(megatron.core.__version__) >= Version("0.15") else "dp_zero_gather_scatter"
-    _use_fp16_moments()
-    return runs.checkpoint_run(rank, world_size, spec, 1, mlp_config, iters_before, iters_after, ckpt_dir, mode,
-                               sharding)
-
-
 def _config(tmp_path, **kw):
     # Subgroups of 20,480 params: the tiny GPT's shard spans several, and its tensors cross them.
     return MLPOffloadConfig.from_paths(str(tmp_path), calibration="off", subgroup_params=20_480, **kw)
 
 
 def test_fp16_moments_train_bitwise_like_torch_adamw_scaled_per_param_shard_when_dp_is_2(tmp_path):
-    real = run_distributed(fp16_moment_train, 2, SPEC, _config(tmp_path / "a"), 6)
-    oracle = run_distributed(fp16_moment_train, 2, SPEC, _config(tmp_path / "b"), 6, Fp16MomentInMemoryAdam)
+    real = run_distributed(moment_train, 2, torch.float16, SPEC, _config(tmp_path / "a"), 6)
+    oracle = run_distributed(moment_train, 2, torch.float16, SPEC, _config(tmp_path / "b"), 6, Fp16MomentInMemoryAdam)
     for (losses, params, stored), (ref_losses, ref_params, _) in zip(real, oracle):
         assert losses == ref_losses
         assert params.keys() == ref_params.keys()
@@ -124,8 +84,8 @@ def test_resume_from_a_torch_dist_checkpoint_with_fp16_moments_when_dp_is_2(tmp_
     """The checkpoint holds the unscaled fp32 moments; the load scales each param's shard again
     from its own absmax (stock's set_scaled_state), so the resumed run follows the saved one."""
     ckpt = str(tmp_path / "ckpt")
-    saved = run_distributed(fp16_moment_checkpoint_run, 2, SPEC, _config(tmp_path / "a"), 3, 3, ckpt, "save")
-    loaded = run_distributed(fp16_moment_checkpoint_run, 2, SPEC, _config(tmp_path / "b"), 3, 3, ckpt, "load")
+    saved = run_distributed(moment_checkpoint_run, 2, torch.float16, SPEC, _config(tmp_path / "a"), 3, 3, ckpt, "save")
+    loaded = run_distributed(moment_checkpoint_run, 2, torch.float16, SPEC, _config(tmp_path / "b"), 3, 3, ckpt, "load")
     for (losses, params, _), (ref_losses, ref_params, state) in zip(loaded, saved):
         assert losses == ref_losses
         for name in params:

@@ -14,42 +14,14 @@ from megatron_mlp.optim.moment_scaling import (FP16_RANGE, MomentScales, fused_a
                                                moments_absmax, scale_for)
 from megatron_mlp.optim.reference_adam import adamw_step_fp16_moments
 
+from kernel_cases import HYPER, HYPER_IDS, assert_bitwise_equal, grads_for
 from kernel_paths import GRAD_DTYPES, ISAS, isa  # noqa: F401  (isa: the fixture)
-
-
-HYPER = [
-    dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1),
-    dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-6, weight_decay=0.0),
-    dict(lr=0.05, beta1=0.3, beta2=0.5, eps=1e-3, weight_decay=0.01),   # beta1 < 0.5: lerp's other branch
-]
-
-
-def bits(t):
-    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
-
-
-def assert_bitwise_equal(actual, expected, what):
-    assert actual.dtype == expected.dtype, f"{what}: {actual.dtype} vs {expected.dtype}"
-    diff = (bits(actual) != bits(expected)).nonzero().flatten()
-    assert diff.numel() == 0, (
-        f"{what}: {diff.numel()} of {actual.numel()} elements differ, first at {diff[0].item()}: "
-        f"{actual[diff[0]].item()!r} vs {expected[diff[0]].item()!r}")
 
 
 def assert_same_scales(actual: MomentScales, expected: MomentScales, step):
     for name in ("exp_avg", "exp_avg_sq"):
         a, e = getattr(actual, name), getattr(expected, name)
         assert (a == e) or (math.isnan(a) and math.isnan(e)), f"step {step}: {name} scale {a!r} vs {e!r}"
-
-
-def grads_for(n, dtype, steps, seed, scale=1e-2, zero_fraction=0.05):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        g = torch.randn(n, generator=gen) * scale
-        g[torch.rand(n, generator=gen) < zero_fraction] = 0.0
-        out.append(g.to(dtype))
-    return out
 
 
 def reference_grad(g, inv, clip):
@@ -80,7 +52,7 @@ def run_both(n, grad_dtype, hyper, steps=20, seed=0, num_threads=0, out_dtype=No
 
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("n", [1, 15, 17, 4099])
-@pytest.mark.parametrize("hyper", HYPER, ids=["default", "wd0", "small_beta"])
+@pytest.mark.parametrize("hyper", HYPER, ids=HYPER_IDS)
 def test_fp16_moment_update_and_scales_are_bit_identical_to_torch_reference_when_run_20_steps(
         isa, grad_dtype, n, hyper):
     (p, m, v, _, _), (rp, rm, rv, _) = run_both(n, grad_dtype, hyper, seed=n)

@@ -25,14 +25,6 @@ GROUPS = [{"lr": 1e-2, "weight_decay": 0.1},
           {"lr": 5e-3, "weight_decay": 0.01, "betas": (0.9, 0.99)}]
 
 
-@pytest.fixture
-def tier_dirs(disk_dir, shm_dir):
-    a, b = os.path.join(disk_dir, "a"), os.path.join(disk_dir, "b")
-    os.mkdir(a)
-    os.mkdir(b)
-    return [a, shm_dir, b]
-
-
 def make(tier_dirs, num_tiers=1, *, moment_dtype="bf16", ranges=RANGES, groups=GROUPS, init=None, **cfg):
     cfg.setdefault("use_tokens", False)
     config = MLPOffloadConfig.from_paths(";".join(tier_dirs[:num_tiers]), moment_dtype=moment_dtype, **cfg)

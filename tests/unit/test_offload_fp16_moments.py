@@ -5,7 +5,6 @@ bit, tensors may span subgroups and subgroups hold many tensors, and checkpoints
 fp32 moments and resume as stock's set_scaled_state does."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -26,14 +25,6 @@ GROUPS = [{"lr": 1e-2, "weight_decay": 0.1},
 # Tensors as a rank's param shards fall: small ones sharing a subgroup, one spanning several
 # subgroups (4500 elements, subgroups of 2048), a one-element one, and an empty one.
 TENSORS = [(0, 100), (100, 4600), (4600, 5000), (5000, 5000), (5000, 5300), (5300, 5301), (5301, N)]
-
-
-@pytest.fixture
-def tier_dirs(disk_dir, shm_dir):
-    a, b = os.path.join(disk_dir, "a"), os.path.join(disk_dir, "b")
-    os.mkdir(a)
-    os.mkdir(b)
-    return [a, shm_dir, b]
 
 
 def make(tier_dirs, num_tiers=1, *, ranges=RANGES, groups=GROUPS, tensors=TENSORS, init=None, **cfg):
