@@ -9,6 +9,7 @@ import torch
 from megatron_mlp import _C
 from megatron_mlp.optim import fused_adam as fa
 
+from kernel_cases import assert_bitwise_equal, bits
 from kernel_paths import GRAD_DTYPES, ISAS, isa  # noqa: F401  (isa: the fixture)
 
 
@@ -40,17 +41,6 @@ def fused_run(param0, grads, *, lr, betas, eps, weight_decay, inv_loss_scale=1.0
                            weight_decay=weight_decay, step=step, inv_loss_scale=inv_loss_scale,
                            clip_coef=clip_coef, num_threads=num_threads)
     return p, m, v, out
-
-
-def bits(t):
-    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
-
-
-def assert_bitwise_equal(actual, expected, what):
-    diff = (bits(actual) != bits(expected)).nonzero().flatten()
-    assert diff.numel() == 0, (
-        f"{what}: {diff.numel()} of {actual.numel()} elements differ, first at {diff[0].item()}: "
-        f"{actual[diff[0]].item()!r} vs {expected[diff[0]].item()!r}")
 
 
 def make_grads(n, dtype, steps, seed, scale=1e-2, zero_fraction=0.0):
