@@ -2,15 +2,19 @@
 absmax pass before each step, and the scaling of what goes in and out between steps.
 
 * A step's new scales need every element of each tensor before any is stored, so the step starts
-  with ``step_scales``: every subgroup's stored moments (host memory first, then the tiers,
-  verified) and its gradient through the kernel's arithmetic, storing nothing. It reads each
-  region not kept in host memory once more than bf16 moments do (8 bytes per param); nothing is
-  changed by it, so an error there leaves the state whole.
+  with ``step_scales``: every subgroup's stored moments and its gradient through the kernel's
+  arithmetic, storing nothing -- those in host memory on the caller's thread, the others read
+  (and verified) by one reader per tier, so the tiers read side by side. It reads each region not
+  kept in host memory once more than bf16 moments do (8 bytes per param); nothing is changed by
+  it, so an error there leaves the state whole.
 * Reads give fp32 moments unscaled (stock's ``get_unscaled_state``); writes scale each whole
   tensor from its own absmax (``set_scaled_state``), and a checkpoint's chunks, which may cut
   tensors, are scaled from the absmax of each whole tensor gathered over the chunks first.
 """
 from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -23,28 +27,49 @@ class Fp16Moments:
 
     Args:
         table: the ``TensorScales`` of its tensors.
-        plan, residency, access: the optimizer's ``SubgroupPlan``, ``Residency`` and ``StateAccess``.
+        plan, residency, access, tiers: the optimizer's ``SubgroupPlan``, ``Residency``,
+            ``StateAccess`` and ``TierStores``.
         threads: kernel threads for the absmax pass.
     """
 
-    def __init__(self, table, plan, residency, access, threads: int):
-        self.table, self.plan, self.residency, self.access, self.threads = table, plan, residency, access, threads
+    def __init__(self, table, plan, residency, access, tiers, threads: int):
+        self.table, self.plan, self.residency, self.access = table, plan, residency, access
+        self.tiers, self.threads = tiers, threads
 
     def step_scales(self, grads, hyper, inv_loss_scale, clip_coef, grads_ready) -> StepScales:
-        """The absmax pass: the step's ``StepScales`` (old scales, new reciprocals) for the kernel."""
-        gathered = AbsmaxPass(self.table)
-        for sg in sorted(self.plan, key=lambda sg: sg.index not in self.residency):   # host memory first
-            if grads_ready is not None:
-                grads_ready(sg.start, sg.end)
-            h = hyper[sg.group]
+        """The absmax pass: the step's ``StepScales`` (old scales, new reciprocals) for the kernel.
+        Raises the first error of a reader (a failed read, ``IntegrityError``) once all have stopped."""
+        ready_lock = threading.Lock()   # the caller's callback is called from one thread at a time
 
-            def consume(lo, arrays, sg=sg, h=h):
-                a = sg.start + lo
-                gathered.add(a, arrays[1], arrays[2], grads[a:a + arrays[1].numel()], beta1=h["beta1"],
-                             beta2=h["beta2"], inv_loss_scale=inv_loss_scale, clip_coef=clip_coef,
-                             num_threads=self.threads)
-            self.access.scan(sg, consume)
-        return self.table.step_scales(gathered.result())
+        def scan(subgroups) -> AbsmaxPass:
+            gathered = AbsmaxPass(self.table)
+            for sg in subgroups:
+                if grads_ready is not None:
+                    with ready_lock:
+                        grads_ready(sg.start, sg.end)
+                h = hyper[sg.group]
+
+                def consume(lo, arrays, sg=sg, h=h):
+                    a = sg.start + lo
+                    gathered.add(a, arrays[1], arrays[2], grads[a:a + arrays[1].numel()], beta1=h["beta1"],
+                                 beta2=h["beta2"], inv_loss_scale=inv_loss_scale, clip_coef=clip_coef,
+                                 num_threads=self.threads)
+                self.access.scan(sg, consume)
+            return gathered
+
+        # Host memory first: a reader short of a buffer may write a resident subgroup back and
+        # take its buffer (Residency.evict_for_access), so none may still be scanned then.
+        parts = [scan([sg for sg in self.plan if sg.index in self.residency])]
+        by_tier: dict[int, list] = {}
+        for sg in self.plan:
+            if sg.index not in self.residency:
+                by_tier.setdefault(self.tiers.tier_of[sg.index], []).append(sg)
+        with ThreadPoolExecutor(max(1, len(by_tier)), thread_name_prefix="mlp-absmax") as readers:
+            reading = [readers.submit(scan, subgroups) for subgroups in by_tier.values()]
+        for f in reading:
+            if f.exception() is not None:
+                raise f.exception()
+        return self.table.step_scales(AbsmaxPass.merged(parts + [f.result() for f in reading]))
 
     def unscale(self, start: int, state: dict) -> None:
         """fp32 ``state`` read from flat ``start`` on: its moments times their tensors' scales, in place."""

@@ -7,6 +7,7 @@ materialized, and pickles as the data it holds, never as the optimizer.
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 
@@ -24,6 +25,9 @@ class StateAccess:
 
     def __init__(self, plan, residency, tiers):
         self.plan, self.residency, self.tiers = plan, residency, tiers
+        # Readers of several tiers at once (``scan``) take their buffers one at a time: finding
+        # none free may write a resident subgroup back to lend its buffer.
+        self.acquire_lock = threading.Lock()
 
     def subgroup(self, sg: Subgroup, load: bool = True, write_back: bool = False) -> SubgroupAccess:
         return SubgroupAccess(self, sg, load, write_back)
@@ -269,8 +273,9 @@ class SubgroupAccess:
         if sg.index in residency:
             self.buf = residency.buffers[sg.index]
             return state_views(sg, self.buf)
-        self.buf = (residency.acquire() or residency.evict_for_access(self.access.plan, self.access.tiers)
-                    or residency.acquire(force=True))
+        with self.access.acquire_lock:
+            self.buf = (residency.acquire() or residency.evict_for_access(self.access.plan, self.access.tiers)
+                        or residency.acquire(force=True))
         self.owned = True
         try:
             if not self.load:

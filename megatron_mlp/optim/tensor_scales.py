@@ -188,3 +188,12 @@ class AbsmaxPass:
 
     def result(self) -> torch.Tensor:
         return torch.tensor(self.absmax, dtype=torch.float32).reshape(len(self.table), 2)
+
+    @staticmethod
+    def merged(parts: list) -> torch.Tensor:
+        """The absmax of parts of one step gathered apart (each tensor's parts merged, NaN kept)."""
+        out = [[0.0, 0.0] for _ in range(len(parts[0].table))]
+        for part in parts:
+            for acc, got in zip(out, part.absmax):
+                acc[0], acc[1] = merge_absmax(acc[0], got[0]), merge_absmax(acc[1], got[1])
+        return torch.tensor(out, dtype=torch.float32).reshape(len(out), 2)

@@ -5,12 +5,13 @@ bit, tensors may span subgroups and subgroups hold many tensors, and checkpoints
 fp32 moments and resume as stock's set_scaled_state does."""
 from __future__ import annotations
 
+import errno
 
 import pytest
 import torch
 
 from megatron_mlp.config import MLPOffloadConfig
-from megatron_mlp.errors import ConfigError, IntegrityError
+from megatron_mlp.errors import ConfigError, IntegrityError, TierIOError
 from megatron_mlp.optim.host_memory import piece_buffer_bytes, stream_piece_params
 from megatron_mlp.optim.moment_scaling import FP16_RANGE, scale_for
 from megatron_mlp.optim.offload_adam import OffloadAdam
@@ -207,3 +208,29 @@ def test_fp16_moments_without_tensor_ranges_or_with_a_device_share_are_refused_n
         OffloadAdam(config, [(0, 100)], [{"lr": 1e-3}], tensor_ranges=[(0, 90)])
     with pytest.raises(ConfigError, match="--mlp-offload-device-memory with --exp-avg-dtype fp16"):
         MLPOffloadConfig.from_paths(tier_dirs[0], moment_dtype="fp16", device_memory_fraction=0.5)
+
+
+def test_a_read_failing_in_the_absmax_pass_leaves_the_state_whole_and_the_retry_is_one_clean_step(tier_dirs):
+    """Each tier's reader scans its own subgroups; one tier's reads failing stops the pass before
+    anything is stored: no partial state, no counter moved, the buffers all given back."""
+    from megatron_mlp.testing.fault_engine import FaultyEngines
+    config = MLPOffloadConfig.from_paths(";".join(tier_dirs[:2]), moment_dtype="fp16", subgroup_params=2048,
+                                         host_cache_bytes=0, warm_buffers=False, use_tokens=False)
+    init = torch.randn(N, generator=torch.Generator().manual_seed(1))
+    engines = FaultyEngines(config)
+    opt = OffloadAdam(config, RANGES, [dict(g) for g in GROUPS], init, engine_factory=engines, tensor_ranges=TENSORS)
+    ref = ReferenceFp16MomentAdamW(RANGES, GROUPS, TENSORS, init)
+    with opt:
+        assert len(set(opt.tier_of)) == 2   # both tiers hold subgroups: two readers
+        opt.step(grads_for(0))
+        ref.step(grads_for(0))
+        in_use = opt.pool.in_use_bytes
+        engines.engines[1].inject_fault(nth=1, err=errno.EIO, op="read", every=True)
+        with pytest.raises(TierIOError):
+            opt.step(grads_for(1))
+        engines.engines[1].clear_faults()
+        assert opt.partial is None and opt.state[0]["step"] == 1
+        assert opt.pool.in_use_bytes == in_use
+        opt.step(grads_for(1))
+        ref.step(grads_for(1))
+        assert_state_equal(opt, ref)
