@@ -4,9 +4,11 @@ absmax pass before each step, and the scaling of what goes in and out between st
 * A step's new scales need every element of each tensor before any is stored, so the step starts
   with ``step_scales``: every subgroup's stored moments and its gradient through the kernel's
   arithmetic, storing nothing -- those in host memory on the caller's thread, the others read
-  (and verified) by one reader per tier, so the tiers read side by side. It reads each region not
-  kept in host memory once more than bf16 moments do (8 bytes per param); nothing is changed by
-  it, so an error there leaves the state whole.
+  (and verified) by one reader per tier, so the tiers read side by side. It reads the moments of
+  each region not kept in host memory (4 bytes per param) once more than bf16 moments do, verified
+  against the region's record from its param array's crc32c (``SlotRecord.head``; a record
+  without it has its whole region read); nothing is changed by it, so an error there leaves the
+  state whole.
 * Reads give fp32 moments unscaled (stock's ``get_unscaled_state``); writes scale each whole
   tensor from its own absmax (``set_scaled_state``), and a checkpoint's chunks, which may cut
   tensors, are scaled from the absmax of each whole tensor gathered over the chunks first.
@@ -54,7 +56,7 @@ class Fp16Moments:
                     gathered.add(a, arrays[1], arrays[2], grads[a:a + arrays[1].numel()], beta1=h["beta1"],
                                  beta2=h["beta2"], inv_loss_scale=inv_loss_scale, clip_coef=clip_coef,
                                  num_threads=self.threads)
-                self.access.scan(sg, consume)
+                self.access.scan(sg, consume, moments_only=True)
             return gathered
 
         # Host memory first: a reader short of a buffer may write a resident subgroup back and

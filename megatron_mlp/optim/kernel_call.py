@@ -67,11 +67,13 @@ class KernelJob:
 
 @dataclass
 class KernelResult:
-    """``crc``: the updated region's crc32c (``KernelJob.checksum``), else None. ``fetch_error``:
-    the read the kernel followed failed (the kernel stopped there; nothing was verified)."""
+    """``crc``: the updated region's crc32c (``KernelJob.checksum``), else None, and ``head`` that
+    of its first array (``SlotRecord.head``). ``fetch_error``: the read the kernel followed failed
+    (the kernel stopped there; nothing was verified)."""
 
     crc: int | None = None
     fetch_error: BaseException | None = None
+    head: int | None = None
 
 
 class AdamKernel:
@@ -189,7 +191,9 @@ class AdamKernel:
             job.store.verify_checksum(sg, snapshot, region_crc32c(region, array_lengths(sg), sg.array_strides, before))
         if not job.checksum:
             return KernelResult()
-        return KernelResult(crc=region_crc32c(region, array_lengths(sg), sg.array_strides, after))
+        stride = sg.array_strides[0]
+        return KernelResult(crc=region_crc32c(region, array_lengths(sg), sg.array_strides, after),
+                            head=region_crc32c(region[:stride], array_lengths(sg)[0], stride, after[:1]))
 
 
 def _step_per_tensor(moment_scales, base: int, arrays, grad, out, element_bytes, checksum: bool, check: bool,

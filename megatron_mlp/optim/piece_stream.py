@@ -249,11 +249,11 @@ class PieceStream:
         with self._cond:
             self.reading[id(store)] -= 1
         last = sub.computed == len(sub.pieces)
-        crc = got = None
+        crc = got = head = None
         if last:
             u8 = buf.torch(torch.uint8)
-            got = _region_crc(u8, sub.before, sg, lo, hi) if check else None
-            crc = _region_crc(u8, sub.after, sg, lo, hi) if store.checksum else None
+            got = _region_crc(u8, sub.before, sg, lo, hi)[0] if check else None
+            crc, head = _region_crc(u8, sub.after, sg, lo, hi) if store.checksum else (None, None)
         stats.wait_s += t1 - t0
         stats.compute_s += time.perf_counter() - t1
         if got is not None:
@@ -267,7 +267,7 @@ class PieceStream:
             return None
         stats.subgroups += 1
         stats.streamed_writes += 1
-        return sub.flush.finish(crc)
+        return sub.flush.finish(crc, head)
 
     def _written(self, buf, error) -> None:   # on the write lane
         if getattr(error, "errno", None) == errno.ETIMEDOUT:
@@ -302,15 +302,17 @@ class PieceStream:
                 self.held -= 1
 
 
-def _region_crc(last_piece, array_crcs, sg: Subgroup, lo: int, hi: int) -> int:
-    """The crc32c of a subgroup's region from the per-array crcs of its elements and the alignment
-    padding at the end of each array, which the buffer of the last piece ``[lo, hi)`` holds."""
+def _region_crc(last_piece, array_crcs, sg: Subgroup, lo: int, hi: int) -> tuple[int, int]:
+    """The crc32c of a subgroup's region and of its first array (``SlotRecord.head``) from the
+    per-array crcs of its elements and the alignment padding at the end of each array, which the
+    buffer of the last piece ``[lo, hi)`` holds."""
     from megatron_mlp.optim.checksum import crc32c, crc32c_combine
-    crc = 0
+    crc, heads = 0, []
     ranges = sg.piece_ranges(lo, hi)
     for array_crc, eb, at, (_, nbytes) in zip(array_crcs, sg.element_bytes, sg.piece_buffer_offsets(lo, hi), ranges):
         crc = crc32c_combine(crc, int(array_crc), sg.numel * eb)
         pad = last_piece[at + (hi - lo) * eb:at + nbytes]
         if pad.numel():
             crc = crc32c(pad, seed=crc)
-    return crc
+        heads.append(crc)
+    return crc, heads[0]

@@ -29,7 +29,7 @@ class StateAccess:
         # none free may write a resident subgroup back to lend its buffer.
         self.acquire_lock = threading.Lock()
 
-    def subgroup(self, sg: Subgroup, load: bool = True, write_back: bool = False) -> SubgroupAccess:
+    def subgroup(self, sg: Subgroup, load: bool | str = True, write_back: bool = False) -> SubgroupAccess:
         return SubgroupAccess(self, sg, load, write_back)
 
     def _in_pieces(self, sg: Subgroup) -> bool:
@@ -155,18 +155,46 @@ class StateAccess:
             if store.checksum:
                 _chain_piece_crcs(array_crcs, u8, sg, lo, hi)
             flush.write_piece(k, (u8, sg.piece_buffer_offsets(lo, hi)), lambda error, b=buf: written(b, error))
-        return flush.finish(_join_array_crcs(array_crcs, sg) if store.checksum else None)
+        return flush.finish(_join_array_crcs(array_crcs, sg) if store.checksum else None, array_crcs[0])
 
-    def scan(self, sg: Subgroup, consume) -> None:
+    def scan(self, sg: Subgroup, consume, moments_only: bool = False) -> None:
         """Show ``sg``'s state as stored to ``consume(lo, arrays)``: ``arrays`` the param (fp32),
         exp_avg and exp_avg_sq (their dtype) of its elements ``[lo, lo + len)``, in host memory when
         resident, else read (whole, or piece by piece where the budget holds no whole subgroup)
-        and verified: a corrupt region raises ``IntegrityError`` once it is all read."""
+        and verified: a corrupt region raises ``IntegrityError`` once it is all read.
+        ``moments_only``: the param array need not be read (its view then holds whatever the buffer
+        held), where the record can verify the moments alone (``SlotRecord.head``)."""
         if self._in_pieces(sg):
-            self._scan_pieces(sg, lambda a, b, arrays: consume(a, arrays))
+            self._scan_pieces(sg, lambda a, b, arrays: consume(a, arrays), moments_only)
             return
-        with self.subgroup(sg) as views:
+        with self.subgroup(sg, load="moments" if moments_only else True) as views:
             consume(0, [views[name] for name in STATE_NAMES])
+
+    def read_moments(self, sg: Subgroup, buf) -> bool:
+        """Read only ``sg``'s moment arrays into their place in ``buf``, verified against the record
+        as ``crc32c(moments, seed=head) == crc``; False, reading nothing, where the record cannot
+        verify them so (no ``head``: the caller reads the whole region)."""
+        import time
+
+        from megatron_mlp.optim.checksum import crc32c
+        store = self.tiers.of(sg.index)
+        rec = store.records[sg.index]
+        snapshot, head = (rec.current, rec.offsets[rec.current], rec.crc, rec.generation), rec.head
+        if store.checksum and snapshot[2] is not None and head is None:
+            return False
+        start = sg.array_strides[0]
+        n, at = sg.region_bytes - start, snapshot[1] + start
+        region = buf.torch(torch.uint8)[:sg.region_bytes]
+
+        def read():
+            t0 = time.perf_counter()
+            store._io(lambda: store.engine.read(store.handle, region, at, n, start), "read", at, n)
+            store.stats.add(fetch_s=time.perf_counter() - t0, bytes_read=n, fetches=1)
+
+        store._with_token(store.token, read)
+        if store.checksum and snapshot[2] is not None:
+            store.verify_checksum(sg, snapshot, crc32c(region[start:], seed=head))
+        return True
 
     def _read_in_pieces(self, sg: Subgroup, lo: int, hi: int, out: dict) -> None:
         """Elements ``[lo, hi)`` of ``sg`` (relative to its start) into ``out`` (fp32, by state name),
@@ -180,26 +208,30 @@ class StateAccess:
                     out[name][first - lo:last - lo].copy_(array[first - a:last - a])
         self._scan_pieces(sg, copy)
 
-    def _scan_pieces(self, sg: Subgroup, consume) -> None:
+    def _scan_pieces(self, sg: Subgroup, consume, moments_only: bool = False) -> None:
         """Read ``sg`` piece by piece through one piece buffer, ``consume(a, b, arrays)`` each piece
-        ``[a, b)`` as it lands, then check the region's crc32c against the record."""
+        ``[a, b)`` as it lands, then check the region's crc32c against the record. ``moments_only``:
+        the param array is left out where the record's ``head`` lets the rest be verified alone."""
         import errno
 
+        from megatron_mlp.optim.checksum import crc32c_combine
         memory, pool, store = self.residency.host_memory, self.residency.pool, self.tiers.of(sg.index)
         rec = store.records[sg.index]
-        snapshot = (rec.current, rec.offsets[rec.current], rec.crc, rec.generation)
+        snapshot, head = (rec.current, rec.offsets[rec.current], rec.crc, rec.generation), rec.head
+        first = 1 if moments_only and (head is not None or not store.checksum or snapshot[2] is None) else 0
         buf = pool.try_acquire(nbytes=memory.piece_bytes) or pool.try_acquire(force=True, nbytes=memory.piece_bytes)
         u8 = buf.torch(torch.uint8)
         array_crcs = [0, 0, 0]
         try:
             for a, b in sg.pieces(memory.piece_params):
-                ranges, offsets = sg.piece_ranges(a, b), sg.piece_buffer_offsets(a, b)
+                ranges, offsets = sg.piece_ranges(a, b)[first:], sg.piece_buffer_offsets(a, b)[first:]
                 at = {rel: off for off, (rel, _) in zip(offsets, ranges)}
                 store._with_token(store.token, lambda ranges=ranges, at=at: store._io_pieces(
                     lambda rel, n: store.engine.read(store.handle, u8, snapshot[1] + rel, n, at[rel]), "read",
                     snapshot[1], [ranges]))
+                store.stats.add(bytes_read=sum(n for _, n in ranges))
                 if store.checksum:
-                    _chain_piece_crcs(array_crcs, u8, sg, a, b)
+                    _chain_piece_crcs(array_crcs, u8, sg, a, b, first)
                 consume(a, b, sg.piece_views(u8, a, b))
         except TierIOError as e:
             if e.errno == errno.ETIMEDOUT:
@@ -209,7 +241,12 @@ class StateAccess:
         finally:
             if buf is not None:
                 pool.release(buf)
-        if store.checksum:
+        if store.checksum and first and snapshot[2] is not None:   # the region's crc from the param's (head) on
+            got = head
+            for array_crc, nbytes in zip(array_crcs[1:], sg.array_strides[1:]):
+                got = crc32c_combine(got, array_crc, nbytes)
+            store.verify_checksum(sg, snapshot, got)
+        elif store.checksum and not first:
             store.verify_checksum(sg, snapshot, _join_array_crcs(array_crcs, sg))
 
     def _reap_initial(self, pending, block):
@@ -235,12 +272,14 @@ def checked_chunks(chunks, numel: int, covered: list):
         raise ValueError(f"load_state_dict: 'state' covers [0, {covered[0]}) of [0, {numel})")
 
 
-def _chain_piece_crcs(array_crcs: list, piece, sg: Subgroup, lo: int, hi: int) -> None:
-    """Extend each array's running crc32c by its bytes of piece ``[lo, hi)`` in its own buffer
-    ``piece`` (a uint8 tensor; the last piece carries each array's padding). Pieces in order."""
+def _chain_piece_crcs(array_crcs: list, piece, sg: Subgroup, lo: int, hi: int, first: int = 0) -> None:
+    """Extend each array's running crc32c (from array ``first`` on) by its bytes of piece
+    ``[lo, hi)`` in its own buffer ``piece`` (a uint8 tensor; the last piece carries each array's
+    padding). Pieces in order."""
     from megatron_mlp.optim.checksum import crc32c
     for k, (at, (_, nbytes)) in enumerate(zip(sg.piece_buffer_offsets(lo, hi), sg.piece_ranges(lo, hi))):
-        array_crcs[k] = crc32c(piece[at:at + nbytes], seed=array_crcs[k])
+        if k >= first:
+            array_crcs[k] = crc32c(piece[at:at + nbytes], seed=array_crcs[k])
 
 
 def _join_array_crcs(array_crcs, sg: Subgroup) -> int:
@@ -263,7 +302,9 @@ def _initial_slice(initial_params, sg: Subgroup, lo: int, hi: int) -> torch.Tens
 class SubgroupAccess:
     """Context manager: fp32 views of a subgroup's p/m/v, from the cache or read from its tier."""
 
-    def __init__(self, access: StateAccess, sg: Subgroup, load: bool, write_back: bool):
+    def __init__(self, access: StateAccess, sg: Subgroup, load, write_back: bool):
+        # load: True reads the region, "moments" only the moments where the record can verify them
+        # alone (StateAccess.read_moments), False zeroes the buffer instead.
         self.access, self.sg, self.load, self.write_back = access, sg, load, write_back
         self.buf = None
         self.owned = False
@@ -280,7 +321,7 @@ class SubgroupAccess:
         try:
             if not self.load:
                 self.buf.torch(torch.uint8)[: sg.region_bytes].zero_()
-            else:
+            elif self.load != "moments" or not self.access.read_moments(sg, self.buf):
                 self.access.tiers.of(sg.index).read_now(sg, self.buf)
         except BaseException:
             residency.release(self.buf)

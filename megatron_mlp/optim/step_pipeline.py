@@ -340,7 +340,7 @@ class StepPipeline:
             residency.hold(pick, job.buf)
             return
         if streamed_flush is not None:
-            self.flushing[streamed_flush.finish(result.crc)] = Flush(sg, store, job.buf)
+            self.flushing[streamed_flush.finish(result.crc, result.head)] = Flush(sg, store, job.buf)
             return
         t0 = time.perf_counter()
         # The window is per tier: a slow tier's write-backs must not hold up the
@@ -352,7 +352,7 @@ class StepPipeline:
         stats.wait_s += t1 - t0
         if self.trace is not None and t1 - t0 > 1e-5:
             self.trace.span("kernel", "wait for write-back", t0, t1, subgroup=sg.index)
-        self.flushing[store.flush(sg, job.buf, crc=result.crc)] = Flush(sg, store, job.buf)
+        self.flushing[store.flush(sg, job.buf, crc=result.crc, head=result.head)] = Flush(sg, store, job.buf)
 
     def _start_fetch(self, idx: int, buf) -> None:
         fut, landed = self.tiers.of(idx).fetch_streamed(self.plan[idx], buf, self.pieces[idx])

@@ -28,6 +28,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 from megatron_mlp.errors import IntegrityError, TierIOError
+from megatron_mlp.optim.checksum import crc32c as _crc32c
 from megatron_mlp.optim.stats import TierStepStats
 from megatron_mlp.optim.store_file import SlotRecord, close_tier_file, open_tier_file
 from megatron_mlp.optim.lane_batch import LaneBatch
@@ -174,24 +175,24 @@ class TierStore:
         ``StreamedFlush``. Same slot discipline as ``flush``."""
         return StreamedFlush(self, sg, self._region(sg, buffer), tuple(pieces))
 
-    def flush(self, sg: Subgroup, buffer, crc: int | None = None) -> Future:
+    def flush(self, sg: Subgroup, buffer, crc: int | None = None, head: int | None = None) -> Future:
         """Write ``buffer`` to the free slot of ``sg``, then switch the record; returns a Future.
 
         ``crc``: the region's crc32c when the caller has it (the fused kernel computes it while
-        the state is in cache). Otherwise the crc32c starts on the checksum thread now, while the
-        write waits for and holds the lane (the buffer does not change during a flush). The lane
-        is free for the tier's next request as soon as the write is done; the record switches,
-        and the Future completes, once the crc32c is done too. (Waiting for the crc32c on the lane
-        left a disk idle for each region's checksum whenever the 2 cores were busy.)
+        the state is in cache), ``head`` that of its first array (``SlotRecord.head``). Otherwise
+        the crc32c starts on the checksum thread now, while the write waits for and holds the lane
+        (the buffer does not change during a flush). The lane is free for the tier's next request
+        as soon as the write is done; the record switches, and the Future completes, once the
+        crc32c is done too (waiting for it on the lane left a disk idle whenever the cores were busy).
         """
         done: Future = Future()
         region = self._region(sg, buffer)
         crc_future = None
         if self.checksum and crc is not None:
             crc_future = Future()
-            crc_future.set_result(int(crc))
+            crc_future.set_result((int(crc), head))
         elif self.checksum:
-            crc_future = self._cpu.submit(self._timed_crc, region)
+            crc_future = self._cpu.submit(self._timed_crc, region, sg.array_strides[0])
         self._write_lane.submit(self._flush, sg, region, crc_future, done)
         return done
 
@@ -323,13 +324,13 @@ class TierStore:
 
         def switch(_=None):
             try:
-                crc = crc_future.result() if crc_future is not None else None
+                crc, head = crc_future.result() if crc_future is not None else (None, None)
             except BaseException as e:  # noqa: BLE001
                 done.set_exception(e)
                 return
             with self._lock:
                 # Switch only now: the old slot stayed the good copy until the new one was complete.
-                rec.current, rec.crc, rec.generation = slot, crc, rec.generation + 1
+                rec.current, rec.crc, rec.head, rec.generation = slot, crc, head, rec.generation + 1
             done.set_result(None)
 
         if crc_future is None:
@@ -444,11 +445,13 @@ class TierStore:
             self.records[sg.index] = SlotRecord((self.end_offset, self.end_offset + sg.region_bytes))
             self.end_offset += 2 * sg.region_bytes
 
-    def _timed_crc(self, region) -> int:
+    def _timed_crc(self, region, head_bytes: int) -> tuple[int, int]:
+        """(crc32c of ``region``, of its first ``head_bytes``): one pass, the second seeded by the first."""
         t0 = time.perf_counter()
-        crc = _crc32c(region)
+        head = _crc32c(region[:head_bytes])
+        crc = _crc32c(region[head_bytes:], seed=head)
         self.stats.add(checksum_s=time.perf_counter() - t0)
-        return crc
+        return crc, head
 
     # -- lifetime ---------------------------------------------------------------------------------
 
@@ -493,7 +496,3 @@ class TierStore:
                 logger.warning("tier %s hangs: its scratch dir %s is left for the next run's stale-scratch scan",
                                self.path, self.scratch_dir)
 
-
-def _crc32c(region) -> int:
-    from megatron_mlp.optim.checksum import crc32c
-    return int(crc32c(region))

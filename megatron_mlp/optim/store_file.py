@@ -24,6 +24,9 @@ class SlotRecord:
     current: int | None = None   # slot holding the good copy; None = never written
     generation: int = 0
     crc: int | None = None
+    # crc32c of the region's first array (the param, with its padding): a read of the moments alone
+    # is verified as crc32c(moments, seed=head) == crc (the fp16 moments' absmax pass). None: unknown.
+    head: int | None = None
 
     @property
     def next_slot(self) -> int:

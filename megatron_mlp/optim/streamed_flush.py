@@ -39,12 +39,14 @@ class StreamedFlush:
         self.handed_in += 1
         self.store.write_batch.put(self.store._write_lane, (self, k, source, done))
 
-    def finish(self, crc: int | None) -> Future:
+    def finish(self, crc: int | None, head: int | None = None) -> Future:
+        """Every piece is handed in: ``crc`` the region's crc32c, ``head`` its first array's
+        (``SlotRecord.head``; None: unknown). Returns the Future of the whole flush."""
         if self.handed_in != len(self.pieces):
             raise ValueError(f"StreamedFlush: finish after {self.handed_in} of {len(self.pieces)} pieces")
         done: Future = Future()
         # Queued behind the pieces on the same batch: it runs once they are all written.
-        self.store.write_batch.put(self.store._write_lane, (self, None, crc, done))
+        self.store.write_batch.put(self.store._write_lane, (self, None, (crc, head), done))
         return done
 
     def _requests(self, k: int, source) -> list[tuple[int, int, object, int]]:
@@ -55,15 +57,16 @@ class StreamedFlush:
         buffer, offsets = source
         return [(self.offset + rel, n, buffer, at) for at, (rel, n) in zip(offsets, ranges)]
 
-    def _finish(self, crc: int | None, done: Future) -> None:   # on the write lane, after every piece
+    def _finish(self, crcs: tuple, done: Future) -> None:   # on the write lane, after every piece
         store, rec = self.store, self.store.records[self.sg.index]
+        crc, head = crcs if store.checksum else (None, None)
         if self.error is not None:
             done.set_exception(self.error)
             return
         store.stats.add(bytes_written=self.sg.region_bytes, flushes=1)
         with store._lock:
             # Switch only now: the old slot stayed the good copy until every piece was written.
-            rec.current, rec.crc, rec.generation = self.slot, (crc if store.checksum else None), rec.generation + 1
+            rec.current, rec.crc, rec.head, rec.generation = self.slot, crc, head, rec.generation + 1
         done.set_result(None)
 
 
@@ -71,7 +74,7 @@ def write_pieces(store, items) -> None:
     """The write lane's job for ``store.write_batch``: the pieces queued, in order, their requests
     submitted together under one hold of the write token; a flush's ``finish`` runs once the
     pieces queued before it are written. ``items``: ``(flush, k, source, done)`` for a piece,
-    ``(flush, None, crc, future)`` for a finish."""
+    ``(flush, None, (crc, head), future)`` for a finish."""
     run: list = []
     for item in items:
         if item[1] is None:

@@ -92,18 +92,29 @@ def test_stored_moments_use_the_fp16_range_of_each_tensor_not_one_scale_for_all(
     assert len({sc.exp_avg_sq for sc in ref.scales}) == len(ref.tensors)
 
 
-def test_each_step_writes_8_bytes_per_param_and_reads_16_because_of_the_absmax_pass(tier_dirs):
+def test_each_step_writes_8_bytes_per_param_and_reads_12_the_absmax_pass_reading_the_moments_alone(tier_dirs):
     """The price of per-tensor scales: the new scale needs every element before any is stored, so
-    each region is read once for the absmax pass and once for the update (both verified)."""
+    the moments are read once for the absmax pass (4 bytes per param, verified against the record
+    from its param array's crc32c) and the region once for the update. A record without that crc
+    (``head``) has its whole region read instead, still verified."""
     n = 4 * 2048   # whole pages: no padding
-    opt, _ = make(tier_dirs, 1, subgroup_params=2048, host_cache_bytes=0, warm_buffers=False,
-                  cache_order=False, ranges=[(0, n)], groups=GROUPS[:1], tensors=[(0, 3000), (3000, n)])
+    opt, ref = make(tier_dirs, 1, subgroup_params=2048, host_cache_bytes=0, warm_buffers=False,
+                    cache_order=False, ranges=[(0, n)], groups=GROUPS[:1], tensors=[(0, 3000), (3000, n)],
+                    init=torch.randn(n, generator=torch.Generator().manual_seed(3)))
     with opt:
         assert opt.plan.state_bytes == 8 * n
-        opt.step(grads_for(0, n))
-        opt.step(grads_for(1, n))
+        for step in range(2):
+            opt.step(grads_for(step, n))
+            ref.step(grads_for(step, n))
+        tier = opt.last_step_stats["tiers"][0]
+        assert (tier["bytes_read"], tier["bytes_written"]) == (12 * n, 8 * n), tier
+        for rec in opt.stores[0].records.values():
+            rec.head = None
+        opt.step(grads_for(2, n))
+        ref.step(grads_for(2, n))
         tier = opt.last_step_stats["tiers"][0]
         assert (tier["bytes_read"], tier["bytes_written"]) == (16 * n, 8 * n), tier
+        assert_state_equal(opt, ref)
 
 
 def test_trajectory_is_bitwise_when_fp16_moment_subgroups_stream_through_pieces(disk_dir):
@@ -125,6 +136,9 @@ def test_trajectory_is_bitwise_when_fp16_moment_subgroups_stream_through_pieces(
             ref.step(g)
             assert opt.last_step_stats["peak_host_bytes"] <= 5 * piece
             assert torch.equal(out, ref.param.bfloat16())
+            # the update reads every region, the absmax pass (piece by piece too) its moments
+            moments = sum(sg.region_bytes - sg.array_strides[0] for sg in opt.plan)
+            assert opt.last_step_stats["tiers"][0]["bytes_read"] == sum(sg.region_bytes for sg in opt.plan) + moments
         assert_state_equal(opt, ref)
 
 
@@ -181,16 +195,17 @@ def test_a_corrupt_region_found_by_the_absmax_pass_changes_nothing(tier_dirs):
         before = opt.read_range(0, N)
         store = opt.stores[0]
         rec = store.records[1]
+        at = rec.offsets[rec.current] + opt.plan[1].array_offsets[1] + 8   # in exp_avg: what the pass reads
         with open(store.file_path, "r+b") as f:
-            f.seek(rec.offsets[rec.current] + 8)
+            f.seek(at)
             byte = f.read(1)
-            f.seek(rec.offsets[rec.current] + 8)
+            f.seek(at)
             f.write(bytes([byte[0] ^ 0xFF]))
         with pytest.raises(IntegrityError):
             opt.step(grads_for(1))
         assert opt.partial is None and opt.state[0]["step"] == 1   # whole, and no step taken
         with open(store.file_path, "r+b") as f:   # repaired: the step goes on from the same state
-            f.seek(rec.offsets[rec.current] + 8)
+            f.seek(at)
             f.write(byte)
         assert all(torch.equal(opt.read_range(0, N)[k], before[k]) for k in STATES)
         opt.step(grads_for(1))

@@ -42,10 +42,10 @@ def test_a_read_runs_while_the_previous_flush_is_still_being_checksummed(disk_di
             store.write_now(sg, buf)
         real_crc = store_module._crc32c
 
-        def gated_crc(region):
+        def gated_crc(region, seed=0):
             crc_waiting.set()
             crc_gate.wait(30)
-            return real_crc(region)
+            return real_crc(region, seed=seed)
 
         monkeypatch.setattr(store_module, "_crc32c", gated_crc)
         buffers[0].torch(torch.float32).add_(1.0)         # the new state of subgroup 0
