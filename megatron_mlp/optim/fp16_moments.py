@@ -32,11 +32,13 @@ class Fp16Moments:
         plan, residency, access, tiers: the optimizer's ``SubgroupPlan``, ``Residency``,
             ``StateAccess`` and ``TierStores``.
         threads: kernel threads for the absmax pass.
+        mark_partial: ``callback(why)``: the stored moments and their scales may disagree (a write
+            of moments stopped part-way): the optimizer refuses to go on until a load.
     """
 
-    def __init__(self, table, plan, residency, access, tiers, threads: int):
+    def __init__(self, table, plan, residency, access, tiers, threads: int, mark_partial):
         self.table, self.plan, self.residency, self.access = table, plan, residency, access
-        self.tiers, self.threads = tiers, threads
+        self.tiers, self.threads, self.mark_partial = tiers, threads, mark_partial
 
     def step_scales(self, grads, hyper, inv_loss_scale, clip_coef, grads_ready) -> StepScales:
         """The absmax pass: the step's ``StepScales`` (old scales, new reciprocals) for the kernel.
@@ -94,7 +96,12 @@ class Fp16Moments:
                     raise ValueError(f"write_range({start}, {end}): {name} has {t.numel()} elements, "
                                      f"expected {end - start}")
                 given[name], recorded[name] = self.table.encode(start, name, t.reshape(-1), (absmax or {}).get(name))
-        self.access.write_range(start, end, given)
+        try:
+            self.access.write_range(start, end, given)
+        except BaseException as e:
+            if recorded:   # some subgroups may hold the newly scaled moments, others the old ones
+                self.mark_partial(f"write_range({start}, {end}) of fp16 moments stopped by {type(e).__name__}: {e}")
+            raise
         for name, scales in recorded.items():
             self.table.record(name, scales)
 

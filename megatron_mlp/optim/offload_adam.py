@@ -134,7 +134,7 @@ class OffloadAdam:
             self.kernel = AdamKernel(config, self.plan.max_numel, ranks_per_node, rank)
             self.kernel_threads = self.kernel.num_threads
             self.fp16_moments = Fp16Moments(scales, self.plan, self.residency, self.access, self.tiers,
-                                            self.kernel_threads) if scales is not None else None
+                                            self.kernel_threads, self._mark_partial) if scales is not None else None
             self.access.write_initial(initial_params, self.numel)
         except BaseException:
             # A start refused from here on (a bad trace dir, the kernel, the initial params, a

@@ -162,10 +162,6 @@ class TensorScales:
         for t, scale in recorded.items():
             self.scales[t, k] = scale
 
-    def reset(self) -> None:
-        """Zero moments everywhere (a fresh state): scale 1, FusedAdam's initial value."""
-        self.scales.fill_(1.0)
-
 
 class AbsmaxPass:
     """Per-tensor absmax of the new moments of a step, gathered subgroup part by part."""
@@ -185,9 +181,6 @@ class AbsmaxPass:
                                     clip_coef=clip_coef, num_threads=num_threads)
             acc = self.absmax[t]
             acc[0], acc[1] = merge_absmax(acc[0], am), merge_absmax(acc[1], av)
-
-    def result(self) -> torch.Tensor:
-        return torch.tensor(self.absmax, dtype=torch.float32).reshape(len(self.table), 2)
 
     @staticmethod
     def merged(parts: list) -> torch.Tensor:

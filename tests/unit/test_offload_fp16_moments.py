@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_mlp.config import MLPOffloadConfig
-from megatron_mlp.errors import ConfigError, IntegrityError, TierIOError
+from megatron_mlp.errors import ConfigError, IntegrityError, PartialStepError, TierIOError
 from megatron_mlp.optim.host_memory import piece_buffer_bytes, stream_piece_params
 from megatron_mlp.optim.moment_scaling import FP16_RANGE, scale_for
 from megatron_mlp.optim.offload_adam import OffloadAdam
@@ -246,6 +246,35 @@ def test_a_read_failing_in_the_absmax_pass_leaves_the_state_whole_and_the_retry_
         engines.engines[1].clear_faults()
         assert opt.partial is None and opt.state[0]["step"] == 1
         assert opt.pool.in_use_bytes == in_use
+        opt.step(grads_for(1))
+        ref.step(grads_for(1))
+        assert_state_equal(opt, ref)
+
+
+def test_a_write_of_fp16_moments_that_fails_leaves_the_optimizer_partial_until_a_load(tier_dirs, tmp_path):
+    """Moments and their scales must agree: a write_range of moments that stops part-way may leave
+    some subgroups newly scaled and others not, so nothing is read, stepped or saved until a load."""
+    from megatron_mlp.testing.fault_engine import FaultyEngines
+    config = MLPOffloadConfig.from_paths(tier_dirs[0], moment_dtype="fp16", subgroup_params=2048,
+                                         host_cache_bytes=0, warm_buffers=False, use_tokens=False)
+    init = torch.randn(N, generator=torch.Generator().manual_seed(1))
+    engines = FaultyEngines(config)
+    opt = OffloadAdam(config, RANGES, [dict(g) for g in GROUPS], init, engine_factory=engines, tensor_ranges=TENSORS)
+    ref = ReferenceFp16MomentAdamW(RANGES, GROUPS, TENSORS, init)
+    with opt:
+        opt.step(grads_for(0))
+        ref.step(grads_for(0))
+        torch.save(opt.state_dict(), tmp_path / "good.pt")
+        s, e = TENSORS[1]   # spans three subgroups
+        engines.engines[0].inject_fault(nth=2, err=errno.EIO, op="write", every=True)
+        with pytest.raises(TierIOError):
+            opt.write_range(s, e, exp_avg=torch.randn(e - s))
+        engines.engines[0].clear_faults()
+        assert opt.partial is not None and "fp16 moments" in opt.partial
+        with pytest.raises(PartialStepError):
+            opt.read_range(0, N)
+        opt.load_state_dict(torch.load(tmp_path / "good.pt", weights_only=False))
+        ref.reload()
         opt.step(grads_for(1))
         ref.step(grads_for(1))
         assert_state_equal(opt, ref)
