@@ -225,16 +225,22 @@ def test_fp16_moments_without_tensor_ranges_or_with_a_device_share_are_refused_n
         MLPOffloadConfig.from_paths(tier_dirs[0], moment_dtype="fp16", device_memory_fraction=0.5)
 
 
-def test_a_read_failing_in_the_absmax_pass_leaves_the_state_whole_and_the_retry_is_one_clean_step(tier_dirs):
-    """Each tier's reader scans its own subgroups; one tier's reads failing stops the pass before
-    anything is stored: no partial state, no counter moved, the buffers all given back."""
+def with_faulty_engines(tier_dirs, num_tiers):
+    """An fp16-moment optimizer on ``num_tiers`` tiers whose engines take injected faults, its
+    reference, and the engines."""
     from megatron_mlp.testing.fault_engine import FaultyEngines
-    config = MLPOffloadConfig.from_paths(";".join(tier_dirs[:2]), moment_dtype="fp16", subgroup_params=2048,
+    config = MLPOffloadConfig.from_paths(";".join(tier_dirs[:num_tiers]), moment_dtype="fp16", subgroup_params=2048,
                                          host_cache_bytes=0, warm_buffers=False, use_tokens=False)
     init = torch.randn(N, generator=torch.Generator().manual_seed(1))
     engines = FaultyEngines(config)
     opt = OffloadAdam(config, RANGES, [dict(g) for g in GROUPS], init, engine_factory=engines, tensor_ranges=TENSORS)
-    ref = ReferenceFp16MomentAdamW(RANGES, GROUPS, TENSORS, init)
+    return opt, ReferenceFp16MomentAdamW(RANGES, GROUPS, TENSORS, init), engines
+
+
+def test_a_read_failing_in_the_absmax_pass_leaves_the_state_whole_and_the_retry_is_one_clean_step(tier_dirs):
+    """Each tier's reader scans its own subgroups; one tier's reads failing stops the pass before
+    anything is stored: no partial state, no counter moved, the buffers all given back."""
+    opt, ref, engines = with_faulty_engines(tier_dirs, 2)
     with opt:
         assert len(set(opt.tier_of)) == 2   # both tiers hold subgroups: two readers
         opt.step(grads_for(0))
@@ -254,13 +260,7 @@ def test_a_read_failing_in_the_absmax_pass_leaves_the_state_whole_and_the_retry_
 def test_a_write_of_fp16_moments_that_fails_leaves_the_optimizer_partial_until_a_load(tier_dirs, tmp_path):
     """Moments and their scales must agree: a write_range of moments that stops part-way may leave
     some subgroups newly scaled and others not, so nothing is read, stepped or saved until a load."""
-    from megatron_mlp.testing.fault_engine import FaultyEngines
-    config = MLPOffloadConfig.from_paths(tier_dirs[0], moment_dtype="fp16", subgroup_params=2048,
-                                         host_cache_bytes=0, warm_buffers=False, use_tokens=False)
-    init = torch.randn(N, generator=torch.Generator().manual_seed(1))
-    engines = FaultyEngines(config)
-    opt = OffloadAdam(config, RANGES, [dict(g) for g in GROUPS], init, engine_factory=engines, tensor_ranges=TENSORS)
-    ref = ReferenceFp16MomentAdamW(RANGES, GROUPS, TENSORS, init)
+    opt, ref, engines = with_faulty_engines(tier_dirs, 1)
     with opt:
         opt.step(grads_for(0))
         ref.step(grads_for(0))
