@@ -108,7 +108,7 @@ class OffloadAdam:
             placement = plan_for(self.plan, config, ranks_per_node, memory=self.host_memory, rooms=rooms, rank=rank)
         check_row(placement, self.plan)   # one given for a chain must be for these subgroups
         tier_of = list(placement.tier_of) if placement is not None else []
-        self.predicted_update_s = announce_placement(placement, self.host_memory, rank)
+        self.predicted_update_s = announce_placement(placement, self.host_memory, rank, config.moment_dtype)
         self.placement_tiers = placement_tiers(config, ranks_per_node, rooms=rooms)   # bandwidths, for the schedule
         self.failover = FailoverStats()
         self._halted: TierFailure | None = None

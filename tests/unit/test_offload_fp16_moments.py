@@ -278,3 +278,12 @@ def test_a_write_of_fp16_moments_that_fails_leaves_the_optimizer_partial_until_a
         opt.step(grads_for(1))
         ref.step(grads_for(1))
         assert_state_equal(opt, ref)
+
+
+def test_the_start_up_log_says_its_predicted_time_leaves_the_absmax_pass_out(tier_dirs, caplog):
+    import logging
+    with caplog.at_level(logging.INFO, logger="megatron_mlp"):
+        opt, _ = make(tier_dirs, 2, subgroup_params=2048, host_cache_bytes=0)
+        opt.close()
+    line = next(r.getMessage() for r in caplog.records if "predicted update I/O per step" in r.getMessage())
+    assert "the fp16 moments' absmax pass, which reads them once more, not counted" in line

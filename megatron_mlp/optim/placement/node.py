@@ -113,15 +113,19 @@ def assign_subgroups(plan: SubgroupPlan, config, ranks_per_node: int = 1, free_b
     return list(plan_for(plan, config, ranks_per_node, free_bytes, memory, rooms, rank).tier_of)
 
 
-def announce_placement(placement: Placement | None, memory: HostMemoryPlan | None, rank: int) -> float:
+def announce_placement(placement: Placement | None, memory: HostMemoryPlan | None, rank: int,
+                       moment_dtype: str = "fp32") -> float:
     """Log a rank's placement (subgroups and bytes per path) with its predicted update time, from
     the one function ``plan`` and ``bench update`` print (I/O and the pool's pipeline; the kernel
-    is not counted); return that time (0 with no subgroups)."""
+    is not counted, nor the absmax pass of fp16 moments: ``moment_dtype`` says so in the line);
+    return that time (0 with no subgroups)."""
     if placement is None:
         return 0.0
     from megatron_mlp.optim.placement.model import update_seconds
     predicted = update_seconds(placement, memory)
-    logger.info("MLP-Offload rank %d: %s; predicted update I/O per step %.3g s (kernel not counted)", rank,
+    left_out = "kernel" + (" and the fp16 moments' absmax pass, which reads them once more," if moment_dtype == "fp16"
+                           else "")
+    logger.info("MLP-Offload rank %d: %s; predicted update I/O per step %.3g s (%s not counted)", rank,
                 ", ".join(f"{t.path}: {len(placement.subgroups_on(j))} subgroups, {placement.tier_bytes[j] / 1e9:.3g} GB"
-                          for j, t in enumerate(placement.tiers)), predicted)
+                          for j, t in enumerate(placement.tiers)), predicted, left_out)
     return predicted
