@@ -206,10 +206,10 @@ class MLPOffloadConfig:
     """No flag of its own: Megatron's --use-precision-aware-optimizer with --exp-avg-dtype and
     --exp-avg-sq-dtype both bf16 (or both fp16) sets 'bf16' ('fp16'), read where the optimizer is
     built. What the tiers store Adam's moments in: 'fp32' (12 bytes per param with the fp32
-    master) or 16 bits (8: each step moves a third fewer bytes). The kernel's arithmetic is fp32
-    either way; bf16 moments are rounded to nearest even when stored, fp16 ones scaled per tensor
-    first, as stock stores them (optim/moment_scaling.py; the absmax pass that needs reads the
-    moments once more each step: optim/tensor_scales.py)."""
+    master) or 16 bits (8; with bf16 each step moves a third fewer bytes). The kernel's arithmetic
+    is fp32 either way; bf16 moments are rounded to nearest even when stored, fp16 ones scaled per
+    tensor first, as stock stores them (optim/moment_scaling.py), which costs an absmax pass that
+    reads the moments once more each step (optim/fp16_moments.py)."""
     trace_dir: str | None = None
     """--mlp-offload-trace: directory where each rank writes a Chrome trace (Perfetto) of the steps in
     ``trace_steps``: one span per tier fetch / write-back, token wait, kernel call and copy. None: off."""
