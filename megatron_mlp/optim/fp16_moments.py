@@ -82,8 +82,8 @@ class Fp16Moments:
 
     def write(self, start: int, end: int, given: dict, absmax: dict | None = None) -> None:
         """``StateAccess.write_range`` with the moments scaled per tensor on the way; the table takes
-        their scales once they are written. ``absmax``: per moment, ``{tensor: absmax}`` of the
-        tensors the range cuts (``chunk_absmax``).
+        their scales once they are written. ``absmax``: per moment, ``{tensor: absmax}`` of whole
+        tensors gathered beforehand (``loader``); needed for those the range cuts.
 
         Raises:
             ValueError: a moment of the wrong length, or a range that cuts a tensor whose absmax is not given.
@@ -106,7 +106,8 @@ class Fp16Moments:
             self.table.record(name, scales)
 
     def loader(self, chunks, numel: int):
-        """``write`` for a checkpoint's ``chunks``, with the absmax of every tensor they cut."""
+        """``write`` for a checkpoint's ``chunks``, with every tensor's absmax gathered over all of
+        them first (a chunk may cut a tensor; its scale is the whole tensor's)."""
         absmax = {name: {} for name in MOMENTS}
         for lo, _, data in checked_chunks(chunks, numel, [0]):
             for name, acc in absmax.items():

@@ -36,16 +36,18 @@ class MomentScales:
     exp_avg_sq: float = 1.0
 
 
-def _f32(x: float) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.float32)
+def scales_from_absmax(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, rscale)`` fp32 tensors for moments whose new values have largest magnitudes
+    ``absmax`` (a tensor of any shape), with FusedAdam's fp32 arithmetic: ``scale = absmax / 32752``,
+    ``rscale = 1 / scale`` where ``scale > 0``, else 0 (all-zero moments, and NaN ones)."""
+    scale = absmax.to(torch.float32) / torch.tensor(FP16_RANGE, dtype=torch.float32)
+    rscale = torch.where(scale > 0, scale.reciprocal(), torch.zeros((), dtype=torch.float32))
+    return scale, rscale
 
 
 def scale_for(absmax: float) -> tuple[float, float]:
-    """``(scale, rscale)`` for a moment whose new values have largest magnitude ``absmax``, with
-    FusedAdam's fp32 arithmetic: ``scale = absmax / 32752``, ``rscale = 1 / scale`` where
-    ``scale > 0``, else 0 (all-zero moments, and NaN ones)."""
-    scale = _f32(absmax) / _f32(FP16_RANGE)
-    rscale = torch.where(scale > 0, scale.reciprocal(), _f32(0.0))
+    """``scales_from_absmax`` of one moment, as floats."""
+    scale, rscale = scales_from_absmax(torch.tensor(absmax, dtype=torch.float32))
     return float(scale), float(rscale)
 
 

@@ -38,7 +38,7 @@ MOMENT_DTYPE_BY_NAME = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": t
 
 def moment_bytes_of(moment_dtype: str) -> int:
     """Bytes per moment element of the config's ``moment_dtype`` ('fp32', 'bf16' or 'fp16')."""
-    return {"fp32": 4, "bf16": 2, "fp16": 2}[moment_dtype]
+    return MOMENT_DTYPE_BY_NAME[moment_dtype].itemsize
 
 
 def state_bytes_per_param(moment_bytes: int = FP32_BYTES) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_mlp.errors import ConfigError
-from megatron_mlp.optim.moment_scaling import FP16_RANGE
+from megatron_mlp.optim.moment_scaling import scales_from_absmax
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -49,14 +49,6 @@ def check_tensor_ranges(tensor_ranges, numel: int) -> tuple[tuple[int, int], ...
     return tuple(out)
 
 
-def scales_from_absmax(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, rscale)`` fp32 tensors from an fp32 tensor of absmax values, FusedAdam's rule:
-    ``scale = absmax / 32752``, ``rscale = 1 / scale`` where ``scale > 0`` else 0."""
-    scale = absmax.to(torch.float32) / torch.tensor(FP16_RANGE, dtype=torch.float32)
-    rscale = torch.where(scale > 0, scale.reciprocal(), torch.zeros((), dtype=torch.float32))
-    return scale, rscale
-
-
 def absmax_of(x: torch.Tensor) -> torch.Tensor:
     """The largest magnitude of fp32 ``x`` as ``torch.aminmax`` gives it (NaN when any is NaN)."""
     if x.numel() == 0:
@@ -72,14 +64,12 @@ def merge_absmax(a: float, b: float) -> float:
 
 @dataclass(frozen=True)
 class StepScales:
-    """One step's scales for the kernel: per tensor, the fp32 scales the stored moments were
-    written with (``old``), the new ones (``new``) and their reciprocals (``new_r``), each
-    ``[tensors, 2]``; ``kernel_args`` the kernel's ``(m_scale, v_scale, m_rscale, v_rscale)``."""
+    """One step's scales: per tensor, the new fp32 scales (``new``, ``[tensors, 2]``) and the
+    kernel's ``(m_scale, v_scale, m_rscale, v_rscale)`` (``kernel_args``): the scales the stored
+    moments were written with and the reciprocals of the new ones."""
 
     table: "TensorScales"
-    old: torch.Tensor
     new: torch.Tensor
-    new_r: torch.Tensor
     kernel_args: tuple
 
     def segments(self, lo: int, hi: int):
@@ -116,9 +106,8 @@ class TensorScales:
     def step_scales(self, absmax: torch.Tensor) -> StepScales:
         """The kernel's scales for a step whose new moments have per-tensor ``absmax`` ([tensors, 2])."""
         new, new_r = scales_from_absmax(absmax)
-        old = self.scales.clone()
-        args = tuple(tuple(o) + tuple(r) for o, r in zip(old.tolist(), new_r.tolist()))
-        return StepScales(self, old, new, new_r, args)
+        args = tuple(tuple(o) + tuple(r) for o, r in zip(self.scales.tolist(), new_r.tolist()))
+        return StepScales(self, new, args)
 
     def commit(self, step: StepScales) -> None:
         """The step's moments are all stored with its new scales: they are the current ones."""
@@ -134,8 +123,9 @@ class TensorScales:
     def encode(self, lo: int, name: str, values: torch.Tensor, absmax: dict | None = None):
         """fp32 ``values`` of moment ``name`` at flat ``[lo, lo + len)`` as the fp16 tensor to store,
         and ``{tensor: scale}`` to record once it is stored: each whole tensor scaled from its own
-        absmax (FusedAdam's ``set_scaled_state``), a tensor the range cuts from ``absmax[tensor]``
-        (the whole tensor's, gathered beforehand: ``OffloadAdam.load_state_dict``).
+        absmax (FusedAdam's ``set_scaled_state``): ``absmax[tensor]`` where given (the whole
+        tensor's, gathered beforehand over a checkpoint's chunks: ``Fp16Moments.loader``), else
+        that of its values here, which must then cover it.
 
         Raises:
             ValueError: the range cuts a tensor whose absmax is not given (names both ranges).
@@ -145,10 +135,10 @@ class TensorScales:
         recorded = {}
         for t, a, b in self.segments(lo, hi):
             part = values[a - lo:b - lo].to(torch.float32)
-            if (a, b) == self.ranges[t]:
-                scale, rscale = scales_from_absmax(absmax_of(part))
-            elif absmax is not None and t in absmax:
+            if absmax is not None and t in absmax:
                 scale, rscale = scales_from_absmax(torch.tensor(absmax[t], dtype=torch.float32))
+            elif (a, b) == self.ranges[t]:
+                scale, rscale = scales_from_absmax(absmax_of(part))
             else:
                 raise ValueError(f"write_range({lo}, {hi}): {name} in fp16 is scaled per tensor, and the range "
                                  f"covers only [{a}, {b}) of tensor {self.ranges[t]}; write whole tensors")
