@@ -85,6 +85,12 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     return _C.crc32c_combine(int(crc_a), int(crc_b), int(len_b))
 
 
+def crc32c_extend(crcs, parts, part_bytes) -> tuple[int, ...]:
+    """Each running crc32c of ``crcs`` extended by that of its next part (``parts``, ``part_bytes``
+    bytes each): several arrays checksummed piece by piece, one position per array."""
+    return tuple(crc32c_combine(a, b, n) for a, b, n in zip(crcs, parts, part_bytes))
+
+
 def region_crc32c(region, array_bytes, stride_bytes, array_crcs) -> int:
     """CRC-32C of a region ``[a0 | pad | a1 | pad | ...]`` from the CRCs of its arrays.
 

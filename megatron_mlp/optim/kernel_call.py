@@ -143,7 +143,7 @@ class AdamKernel:
                 (its ``params_out`` slice is then unusable) but before the caller is told the
                 subgroup is done or anything is written back.
         """
-        from megatron_mlp.optim.checksum import crc32c_combine, region_crc32c
+        from megatron_mlp.optim.checksum import crc32c_extend, region_crc32c
         sg, buf = job.sg, job.buf
         t_start = time.perf_counter()
         waited = 0.0
@@ -172,9 +172,9 @@ class AdamKernel:
                                                 stats, job.checksum, check, num_threads, trace, k)
             lens = [(hi - lo) * eb for eb in sg.element_bytes]
             if check:
-                before = tuple(crc32c_combine(a, b, n) for a, b, n in zip(before, piece_before, lens))
+                before = crc32c_extend(before, piece_before, lens)
             if job.checksum:
-                after = tuple(crc32c_combine(a, b, n) for a, b, n in zip(after, crcs, lens))
+                after = crc32c_extend(after, crcs, lens)
             if job.written is not None:
                 job.written(k)
         stats.wait_s += waited
@@ -200,7 +200,7 @@ def _step_per_tensor(moment_scales, base: int, arrays, grad, out, element_bytes,
                      kwargs: dict):
     """``fused_adam_step`` over flat elements ``[base, base + len)`` with fp16 moments: one call per
     tensor part, each with its tensor's scales, the checksums joined as one call's would be."""
-    from megatron_mlp.optim.checksum import crc32c_combine
+    from megatron_mlp.optim.checksum import crc32c_extend
     from megatron_mlp.optim.fused_adam import fused_adam_step
     before = after = (0, 0, 0)
     for a, b, scales in moment_scales.segments(base, base + arrays[0].numel()):
@@ -210,9 +210,9 @@ def _step_per_tensor(moment_scales, base: int, arrays, grad, out, element_bytes,
         lens = [(hi - lo) * eb for eb in element_bytes]
         part_before, part_after = crcs if check else (None, crcs)
         if check:
-            before = tuple(crc32c_combine(x, y, n) for x, y, n in zip(before, part_before, lens))
+            before = crc32c_extend(before, part_before, lens)
         if checksum:
-            after = tuple(crc32c_combine(x, y, n) for x, y, n in zip(after, part_after, lens))
+            after = crc32c_extend(after, part_after, lens)
     if check:
         return before, (after if checksum else None)
     return after if checksum else None

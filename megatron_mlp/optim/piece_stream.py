@@ -147,7 +147,7 @@ class PieceStream:
             rec = store.records[sg.index]
             if rec.current is None:
                 raise AssertionError(f"subgroup {sg.index} was never written to {store.file_path}")
-            sub.snapshot = (rec.current, rec.offsets[rec.current], rec.crc, rec.generation)
+            sub.snapshot = rec.snapshot()
         # Pieces issued while the tier's read lane is busy are read together (optim/lane_batch.py).
         batch = self._read_batches.get(t)
         if batch is None:
@@ -222,7 +222,7 @@ class PieceStream:
         Raises:
             the piece's read error; ``IntegrityError`` when the region read does not match its record.
         """
-        from megatron_mlp.optim.checksum import crc32c_combine
+        from megatron_mlp.optim.checksum import crc32c_extend
         k, sg, store = sub.computed, sub.sg, sub.store
         sub.landed[k].result()
         trace = inputs.trace if inputs.trace is not None and inputs.trace.active else None
@@ -242,9 +242,9 @@ class PieceStream:
                                          threads(), trace, k)
         lens = [(hi - lo) * eb for eb in sg.element_bytes]
         if check:
-            sub.before = tuple(crc32c_combine(a, b, n) for a, b, n in zip(sub.before, before, lens))
+            sub.before = crc32c_extend(sub.before, before, lens)
         if store.checksum:
-            sub.after = tuple(crc32c_combine(a, b, n) for a, b, n in zip(sub.after, after, lens))
+            sub.after = crc32c_extend(sub.after, after, lens)
         sub.computed += 1
         with self._cond:
             self.reading[id(store)] -= 1

@@ -179,9 +179,9 @@ class StateAccess:
         from megatron_mlp.optim.checksum import crc32c
         store = self.tiers.of(sg.index)
         rec = store.records[sg.index]
-        snapshot, head = (rec.current, rec.offsets[rec.current], rec.crc, rec.generation), rec.head
-        if store.checksum and snapshot[2] is not None and head is None:
+        if not rec.verifies_moments_alone(store.checksum):
             return False
+        snapshot, head = rec.snapshot(), rec.head
         start = sg.array_strides[0]
         n, at = sg.region_bytes - start, snapshot[1] + start
         region = buf.torch(torch.uint8)[:sg.region_bytes]
@@ -217,8 +217,8 @@ class StateAccess:
         from megatron_mlp.optim.checksum import crc32c_combine
         memory, pool, store = self.residency.host_memory, self.residency.pool, self.tiers.of(sg.index)
         rec = store.records[sg.index]
-        snapshot, head = (rec.current, rec.offsets[rec.current], rec.crc, rec.generation), rec.head
-        first = 1 if moments_only and (head is not None or not store.checksum or snapshot[2] is None) else 0
+        snapshot, head = rec.snapshot(), rec.head
+        first = 1 if moments_only and rec.verifies_moments_alone(store.checksum) else 0
         buf = pool.try_acquire(nbytes=memory.piece_bytes) or pool.try_acquire(force=True, nbytes=memory.piece_bytes)
         u8 = buf.torch(torch.uint8)
         array_crcs = [0, 0, 0]

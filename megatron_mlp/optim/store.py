@@ -254,7 +254,7 @@ class TierStore:
         rec = self.records[sg.index]
         if rec.current is None:
             raise AssertionError(f"subgroup {sg.index} was never written to {self.file_path}")
-        snapshot = (rec.current, rec.offsets[rec.current], rec.crc, rec.generation)
+        snapshot = rec.snapshot()
         region = self._region(sg, buffer)
         offset = snapshot[1]
 

@@ -32,6 +32,15 @@ class SlotRecord:
     def next_slot(self) -> int:
         return 0 if self.current != 0 else 1
 
+    def snapshot(self) -> tuple:
+        """``(slot, offset, crc, generation)`` of the good copy now: what a read of it is checked against."""
+        return self.current, self.offsets[self.current], self.crc, self.generation
+
+    def verifies_moments_alone(self, checksum: bool) -> bool:
+        """Whether a read of the moment arrays alone can be checked (or needs no check): the
+        tier keeps no checksums, none is recorded, or the param array's (``head``) is."""
+        return not checksum or self.crc is None or self.head is not None
+
 
 @dataclass
 class TierFile:
