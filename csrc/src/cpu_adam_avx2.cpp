@@ -271,8 +271,14 @@ MLP_TARGET_AVX2 inline float max8(__m256 x) {
 }
 
 template <DType G, bool SmallWeight>
-MLP_TARGET_AVX2 void absmax_loop8(const AdamScalars& s, const Consts8& c, const Half* m, const Half* v, const void* g,
-                                  std::size_t n, float* absmax) {
+struct AbsmaxLoop8 {
+    MLP_TARGET_AVX2 static void run(const AdamScalars& s, const Consts8& c, const Half* m, const Half* v,
+                                    const void* g, std::size_t n, float* absmax);
+};
+
+template <DType G, bool SmallWeight>
+MLP_TARGET_AVX2 void AbsmaxLoop8<G, SmallWeight>::run(const AdamScalars& s, const Consts8& c, const Half* m,
+                                                      const Half* v, const void* g, std::size_t n, float* absmax) {
     constexpr std::size_t gb = G == DType::kFloat32 ? 4 : 2;
     Absmax8 a{_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     std::size_t i = 0;
@@ -454,19 +460,7 @@ MLP_TARGET_AVX2 void adam_avx2_mh(const AdamScalars& s, float* p, Half* m, Half*
 
 MLP_TARGET_AVX2 void absmax_avx2_mh(const AdamScalars& s, const Half* m, const Half* v, const void* g, DType gdt,
                                     std::size_t n, float* absmax) {
-    const Consts8 c = make_consts8(s);
-    const bool small = s.lerp_weight < 0.5f && s.lerp_weight > -0.5f;
-    switch (gdt) {
-        case DType::kBFloat16:
-            return small ? absmax_loop8<DType::kBFloat16, true>(s, c, m, v, g, n, absmax)
-                         : absmax_loop8<DType::kBFloat16, false>(s, c, m, v, g, n, absmax);
-        case DType::kFloat16:
-            return small ? absmax_loop8<DType::kFloat16, true>(s, c, m, v, g, n, absmax)
-                         : absmax_loop8<DType::kFloat16, false>(s, c, m, v, g, n, absmax);
-        default:
-            return small ? absmax_loop8<DType::kFloat32, true>(s, c, m, v, g, n, absmax)
-                         : absmax_loop8<DType::kFloat32, false>(s, c, m, v, g, n, absmax);
-    }
+    absmax_dispatch<AbsmaxLoop8>(s, make_consts8(s), m, v, g, gdt, n, absmax);
 }
 
 MLP_TARGET_AVX2_CLMUL void adam_avx2_checksummed(const AdamScalars& s, float* p, float* m, float* v, const void* g,

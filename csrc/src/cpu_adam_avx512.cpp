@@ -222,8 +222,15 @@ MLP_TARGET_AVX512 inline void absmax_body16(const AdamScalars& s, const Consts16
 }
 
 template <DType G, bool SmallWeight>
-MLP_TARGET_AVX512 void absmax_loop16(const AdamScalars& s, const Consts16& c, const Half* m, const Half* v,
-                                     const void* g, std::size_t n, float* absmax) {
+struct AbsmaxLoop16 {
+    MLP_TARGET_AVX512 static void run(const AdamScalars& s, const Consts16& c, const Half* m, const Half* v,
+                                      const void* g, std::size_t n, float* absmax);
+};
+
+template <DType G, bool SmallWeight>
+MLP_TARGET_AVX512 void AbsmaxLoop16<G, SmallWeight>::run(const AdamScalars& s, const Consts16& c, const Half* m,
+                                                         const Half* v, const void* g, std::size_t n,
+                                                         float* absmax) {
     constexpr std::size_t gb = G == DType::kFloat32 ? 4 : 2;
     Absmax16 a{_mm512_setzero_ps(), _mm512_setzero_ps(), 0, 0};
     std::size_t i = 0;
@@ -329,19 +336,7 @@ MLP_TARGET_AVX512 void adam_avx512_mh(const AdamScalars& s, float* p, Half* m, H
 
 MLP_TARGET_AVX512 void absmax_avx512_mh(const AdamScalars& s, const Half* m, const Half* v, const void* g, DType gdt,
                                         std::size_t n, float* absmax) {
-    const Consts16 c = make_consts16(s);
-    const bool small = s.lerp_weight < 0.5f && s.lerp_weight > -0.5f;
-    switch (gdt) {
-        case DType::kBFloat16:
-            return small ? absmax_loop16<DType::kBFloat16, true>(s, c, m, v, g, n, absmax)
-                         : absmax_loop16<DType::kBFloat16, false>(s, c, m, v, g, n, absmax);
-        case DType::kFloat16:
-            return small ? absmax_loop16<DType::kFloat16, true>(s, c, m, v, g, n, absmax)
-                         : absmax_loop16<DType::kFloat16, false>(s, c, m, v, g, n, absmax);
-        default:
-            return small ? absmax_loop16<DType::kFloat32, true>(s, c, m, v, g, n, absmax)
-                         : absmax_loop16<DType::kFloat32, false>(s, c, m, v, g, n, absmax);
-    }
+    absmax_dispatch<AbsmaxLoop16>(s, make_consts16(s), m, v, g, gdt, n, absmax);
 }
 
 MLP_TARGET_AVX512 void stats_avx512(const void* g, DType dt, std::size_t n, GradStats* out) {

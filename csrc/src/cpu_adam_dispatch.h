@@ -14,11 +14,13 @@ namespace detail {
 // gradient dtype, O the output dtype as an int (-1: no output), Sq the SqrtMode as an int; Consts
 // the ISA's broadcast scalars, passed through untouched. M is the moments' storage type: float
 // (fp32 moments) or std::uint16_t (bf16 moments; a Loop's run is then a member template).
+// lerp's branch as ATen's is_lerp_weight_small: |w| < 0.5 -> m + w*(g-m), else g + (w-1)*(g-m).
+inline bool lerp_weight_small(const AdamScalars& s) { return s.lerp_weight < 0.5f && s.lerp_weight > -0.5f; }
+
 template <template <DType, int, bool, int> class Loop, DType G, int O, class Consts, class M>
 void adam_for_sqrt(const AdamScalars& s, const Consts& c, float* p, M* m, M* v, const void* g, void* out,
                    std::size_t n) {
-    // lerp's branch as ATen's is_lerp_weight_small: |w| < 0.5 -> m + w*(g-m), else g + (w-1)*(g-m).
-    const bool small = s.lerp_weight < 0.5f && s.lerp_weight > -0.5f;
+    const bool small = lerp_weight_small(s);
     constexpr int kIeee = static_cast<int>(SqrtMode::kIeee);
     constexpr int kNewton = static_cast<int>(SqrtMode::kRsqrtNewton);
     constexpr int k14 = static_cast<int>(SqrtMode::kRsqrt14Fma);
@@ -57,6 +59,25 @@ void adam_dispatch(const AdamScalars& s, const Consts& c, float* p, M* m, M* v, 
         case DType::kBFloat16: return adam_for_output<Loop, DType::kBFloat16>(s, c, p, m, v, g, out, odt, n);
         case DType::kFloat16: return adam_for_output<Loop, DType::kFloat16>(s, c, p, m, v, g, out, odt, n);
         default: return adam_for_output<Loop, DType::kFloat32>(s, c, p, m, v, g, out, odt, n);
+    }
+}
+
+// Absmax<G, SmallWeight>::run(s, c, m, v, g, n, absmax) is one ISA's absmax pass over fp16
+// moments (moments_absmax_range): the update's moment arithmetic, nothing stored.
+template <template <DType, bool> class Absmax, class Consts>
+void absmax_dispatch(const AdamScalars& s, const Consts& c, const Half* m, const Half* v, const void* g, DType gdt,
+                     std::size_t n, float* absmax) {
+    const bool small = lerp_weight_small(s);
+    switch (gdt) {
+        case DType::kBFloat16:
+            return small ? Absmax<DType::kBFloat16, true>::run(s, c, m, v, g, n, absmax)
+                         : Absmax<DType::kBFloat16, false>::run(s, c, m, v, g, n, absmax);
+        case DType::kFloat16:
+            return small ? Absmax<DType::kFloat16, true>::run(s, c, m, v, g, n, absmax)
+                         : Absmax<DType::kFloat16, false>::run(s, c, m, v, g, n, absmax);
+        default:
+            return small ? Absmax<DType::kFloat32, true>::run(s, c, m, v, g, n, absmax)
+                         : Absmax<DType::kFloat32, false>::run(s, c, m, v, g, n, absmax);
     }
 }
 
