@@ -159,12 +159,13 @@ class AbsmaxPass:
     def __init__(self, table: TensorScales):
         self.table = table
         self.absmax = [[0.0, 0.0] for _ in range(len(table))]
+        self.scales = table.scales.tolist()   # what the stored moments were written with: fixed for the pass
 
     def add(self, lo: int, m16: torch.Tensor, v16: torch.Tensor, grad: torch.Tensor, *, beta1, beta2,
             inv_loss_scale, clip_coef, num_threads=0) -> None:
         """Fold in flat elements ``[lo, lo + len)``: fp16 moments as stored and their gradient."""
         from megatron_mlp.optim.moment_scaling import MomentScales, moments_absmax
-        scales = self.table.scales.tolist()
+        scales = self.scales
         for t, a, b in self.table.segments(lo, lo + m16.numel()):
             am, av = moments_absmax(m16[a - lo:b - lo], v16[a - lo:b - lo], grad[a - lo:b - lo], beta1=beta1,
                                     beta2=beta2, scales=MomentScales(*scales[t]), inv_loss_scale=inv_loss_scale,
